@@ -8,7 +8,7 @@ TORCH_PIN := torch==2.13.0
 .PHONY: demo test install bench clean
 
 $(BIN)/memplan: pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	test -x $(BIN)/python || $(PY) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_PIN)
 	$(BIN)/pip install -q -e ".[test]"
 	touch $(BIN)/memplan
