@@ -1,0 +1,59 @@
+"""Accelerator specs used by the runtime and memory cost models.
+
+Sources: vendor datasheets (NVIDIA A100/H100/H200/L40S, AMD MI300X). FLOP/s are dense
+(no 2:4 sparsity); ``fp32_flops`` is the non-tensor-core (vector) fp32 rate.
+``memory_bytes`` is the capacity a process can see (what ``torch.cuda.get_device_properties``
+reports, slightly below the marketing size where ECC/driver reservations apply).
+Host link is effective one-direction PCIe throughput (gen4 x16 ~25 GB/s, gen5 x16 ~50 GB/s).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Peak rates and capacity of one device."""
+
+    name: str
+    memory_bytes: int
+    bf16_flops: float
+    fp32_flops: float
+    hbm_bytes_per_s: float
+    host_link_bytes_per_s: float
+    disk_bytes_per_s: float
+    is_cuda: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+DEVICES: dict[str, DeviceSpec] = {
+    # Modest server CPU: ~2 TFLOP/s bf16 (AMX/AVX-512), DDR5 ~50 GB/s; host link = memory bandwidth.
+    "cpu": DeviceSpec("cpu", 64 * GiB, 2e12, 1e12, 50e9, 50e9, 2e9, False),
+    # A100 SXM4 40GB: 312 TFLOP/s bf16, 19.5 TFLOP/s fp32, 1555 GB/s HBM2, PCIe gen4.
+    "a100-40gb": DeviceSpec("a100-40gb", 40 * GiB, 312e12, 19.5e12, 1.555e12, 25e9, 3e9, True),
+    # A100 SXM4 80GB: 80 GiB HBM2e, 2039 GB/s.
+    "a100-80gb": DeviceSpec("a100-80gb", 80 * GiB, 312e12, 19.5e12, 2.039e12, 25e9, 3e9, True),
+    # H100 SXM5 80GB: torch reports ~79.2 GiB; 989.4 TFLOP/s bf16 dense, 66.9 fp32, 3.35 TB/s, PCIe gen5.
+    "h100-80gb": DeviceSpec("h100-80gb", 85_031_714_816, 989.4e12, 66.9e12, 3.35e12, 50e9, 3e9, True),
+    # H200 SXM 141GB HBM3e: ~139.8 GiB usable, same compute as H100, 4.8 TB/s.
+    "h200": DeviceSpec("h200", 150_110_011_392, 989.4e12, 66.9e12, 4.8e12, 50e9, 3e9, True),
+    # L40S 48GB GDDR6 (46068 MiB visible): 362 TFLOP/s bf16 dense, 91.6 fp32, 864 GB/s, PCIe gen4.
+    "l40s": DeviceSpec("l40s", 46068 * MiB, 362e12, 91.6e12, 864e9, 25e9, 3e9, True),
+    # MI300X 192GB HBM3: 1307.4 TFLOP/s bf16 dense, 163.4 fp32, 5.3 TB/s, PCIe gen5 (ROCm exposes torch.cuda).
+    "mi300x": DeviceSpec("mi300x", 192 * GiB, 1307.4e12, 163.4e12, 5.3e12, 50e9, 3e9, True),
+}
+
+
+def get_device(name: str) -> DeviceSpec:
+    """Look up a device by name, case-insensitively."""
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key not in DEVICES:
+        raise ValueError(f"unknown gpu {name!r}; choose one of: {', '.join(DEVICES)}")
+    return DEVICES[key]
