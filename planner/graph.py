@@ -1,0 +1,159 @@
+"""The traced training step: ops in execution order and the storages they allocate and free.
+
+An :class:`OpGraph` is what :func:`planner.trace.trace` records and what the simulator and the
+solver read. Tensors are tracked per *storage* (views share their base's memory), so `nbytes` is
+real memory, not a sum over views.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+import networkx as nx
+
+CATEGORIES = ("parameter", "buffer", "gradient", "optimizer", "activation", "temporary")
+PHASES = ("forward", "loss", "backward", "optimizer")
+
+__all__ = ["CATEGORIES", "PHASES", "TensorInfo", "OpNode", "Region", "OpGraph"]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One storage of the step.
+
+    `alloc_op` is the op that allocated it (-1: it exists before the step); `free_op` is the
+    index of the first op that runs after it was freed (None: it outlives the step).
+    `natural_free_op` is where a forward storage would be freed if autograd did not save it
+    (measured by a second forward that saves nothing), and `saved_by` lists the forward ops
+    whose autograd nodes saved it.
+    """
+
+    id: int
+    nbytes: int
+    category: str
+    dtype: str
+    shape: tuple[int, ...]
+    alloc_op: int
+    free_op: int | None
+    natural_free_op: int | None = None
+    saved_by: tuple[int, ...] = ()
+
+    @property
+    def saved(self) -> bool:
+        return bool(self.saved_by)
+
+
+@dataclass(frozen=True)
+class OpNode:
+    """One aten op call. `allocs` are the storages this op created."""
+
+    index: int
+    name: str
+    phase: str
+    module: str
+    flops: int
+    bytes_accessed: int
+    dtype: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    allocs: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Region:
+    """A checkpointable module (a transformer layer, a residual block).
+
+    Forward ops are `fwd_start <= i < fwd_end`; backward ops carrying this module's path are
+    `bwd_start <= i < bwd_end`. Regions with the same `signature` have the same structure.
+    """
+
+    path: str
+    signature: str
+    param_bytes: int
+    fwd_start: int
+    fwd_end: int
+    bwd_start: int
+    bwd_end: int
+
+    def forward_ops(self) -> range:
+        return range(self.fwd_start, self.fwd_end)
+
+
+@dataclass
+class OpGraph:
+    """Ops of one training step (forward, loss, backward) and every storage they touch."""
+
+    ops: list[OpNode]
+    tensors: dict[int, TensorInfo]
+    regions: list[Region]
+    backward_start: int
+    param_shapes: list[tuple[int, ...]]
+    param_dtype: str
+    meta: dict = field(default_factory=dict)
+    _consumers: dict[int, list[int]] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def num_parameters(self) -> int:
+        total = 0
+        for shape in self.param_shapes:
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+    def frees_by_op(self) -> dict[int, list[int]]:
+        """Op index -> storages freed just before that op runs (len(ops): at the step's end)."""
+        out: dict[int, list[int]] = {}
+        for t in self.tensors.values():
+            if t.free_op is not None:
+                out.setdefault(t.free_op, []).append(t.id)
+        return out
+
+    def forward_consumers(self) -> dict[int, list[int]]:
+        """Storage -> forward ops that read it (computed once)."""
+        if self._consumers is None:
+            out: dict[int, list[int]] = {}
+            for op in self.ops[: self.backward_start]:
+                for tid in op.inputs:
+                    out.setdefault(tid, []).append(op.index)
+            self._consumers = out
+        return self._consumers
+
+    def preexisting(self) -> Iterator[TensorInfo]:
+        return (t for t in self.tensors.values() if t.alloc_op < 0)
+
+    def region_of_op(self) -> dict[int, int]:
+        """Forward op index -> index into `regions` for ops inside a region's forward."""
+        out: dict[int, int] = {}
+        for r, region in enumerate(self.regions):
+            for i in region.forward_ops():
+                out[i] = r
+        return out
+
+    def to_networkx(self) -> nx.DiGraph:
+        """Dataflow view: op nodes, with an edge producer -> consumer per storage."""
+        g = nx.DiGraph()
+        producer: dict[int, int] = {}
+        for op in self.ops:
+            g.add_node(op.index, name=op.name, phase=op.phase, module=op.module)
+            for tid in op.inputs:
+                if tid in producer and producer[tid] != op.index:
+                    g.add_edge(producer[tid], op.index, tensor=tid)
+            for tid in op.allocs:
+                producer[tid] = op.index
+        return g
+
+    def summary(self) -> dict:
+        return {
+            "num_ops": len(self.ops),
+            "num_tensors": len(self.tensors),
+            "num_regions": len(self.regions),
+            "num_parameters": self.num_parameters,
+            "backward_start": self.backward_start,
+            **self.meta,
+        }
+
+    def region_dicts(self) -> list[dict]:
+        return [asdict(r) for r in self.regions]

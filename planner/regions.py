@@ -1,0 +1,61 @@
+"""Find the checkpointable blocks of a model: the repeated layers of a transformer, the residual
+blocks of a CNN.
+
+A *block container* is an `nn.ModuleList` or `nn.Sequential` with at least two children that own
+parameters. The blocks are the children of the outermost block containers; when every child of a
+container is itself a block container and the children differ (the stages of a ResNet), the
+blocks are one level further down.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from torch import nn
+
+__all__ = ["find_region_paths", "module_signature"]
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+def module_signature(module: nn.Module) -> str:
+    """A short hash of a module's structure: submodule classes and parameter shapes/dtypes."""
+    parts = [f"{name}:{type(m).__name__}" for name, m in module.named_modules()]
+    parts += [f"{name}:{tuple(p.shape)}:{p.dtype}" for name, p in module.named_parameters()]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]
+
+
+def _owns_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _is_block_container(module: nn.Module) -> bool:
+    if not isinstance(module, _CONTAINERS):
+        return False
+    return sum(_owns_parameters(child) for child in module.children()) >= 2
+
+
+def _blocks_of(path: str, container: nn.Module) -> list[str]:
+    children = [(name, child) for name, child in container.named_children() if _owns_parameters(child)]
+    signatures = {module_signature(child) for _, child in children}
+    if len(signatures) > 1 and all(_is_block_container(child) for _, child in children):
+        out: list[str] = []
+        for name, child in children:
+            out += _blocks_of(f"{path}.{name}" if path else name, child)
+        return out
+    return [f"{path}.{name}" if path else name for name, _ in children]
+
+
+def find_region_paths(model: nn.Module) -> list[str]:
+    """Module paths of the model's checkpointable blocks, in definition order."""
+    found: list[str] = []
+
+    def visit(path: str, module: nn.Module) -> None:
+        if path and _is_block_container(module):
+            found.extend(_blocks_of(path, module))
+            return
+        for name, child in module.named_children():
+            visit(f"{path}.{name}" if path else name, child)
+
+    visit("", model)
+    return found

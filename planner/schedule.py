@@ -1,0 +1,132 @@
+"""What a plan does to a traced step: which module spans are recomputed or offloaded, and which
+storages that frees.
+
+A plan names modules by path and ops by `aten.name.overload#k` (the k-th call of that op in the
+module's forward). This module resolves those names against an :class:`OpGraph` into
+:class:`SpanChoice` objects the simulator and the solver share.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from planner.graph import OpGraph
+
+__all__ = ["SpanChoice", "ModuleSpan", "module_span", "op_keys", "dropped_tensors", "choices_from_decisions"]
+
+
+@dataclass(frozen=True)
+class ModuleSpan:
+    """Where a module runs in the step: forward ops [fwd_start, fwd_end), first backward op."""
+
+    path: str
+    fwd_start: int
+    fwd_end: int
+    bwd_start: int
+    bwd_end: int
+
+
+@dataclass(frozen=True)
+class SpanChoice:
+    """Recompute or offload what a module saves.
+
+    `keep_ops` are forward op indices whose outputs stay saved (selective checkpointing);
+    for `offload`, `target` is "cpu" or "disk".
+    """
+
+    span: ModuleSpan
+    mode: str  # "recompute" | "offload"
+    keep_ops: frozenset[int] = frozenset()
+    target: str | None = None
+
+
+def _inside(module: str, path: str) -> bool:
+    return path == "" or module == path or module.startswith(path + ".")
+
+
+def module_span(graph: OpGraph, path: str) -> ModuleSpan:
+    """Forward/backward op ranges of a module; ValueError when it ran no forward and backward."""
+    for r in graph.regions:
+        if r.path == path:
+            return ModuleSpan(path, r.fwd_start, r.fwd_end, r.bwd_start, r.bwd_end)
+    fwd = [op.index for op in graph.ops[: graph.backward_start] if _inside(op.module, path)]
+    bwd = [op.index for op in graph.ops[graph.backward_start:] if _inside(op.module, path)]
+    if not fwd or not bwd:
+        raise ValueError(f"module '{path}' runs no forward and backward ops in the traced step; "
+                         "choose a module path that the model's forward uses")
+    return ModuleSpan(path, min(fwd), max(fwd) + 1, min(bwd), max(bwd) + 1)
+
+
+def op_keys(graph: OpGraph, span: ModuleSpan) -> dict[int, str]:
+    """Forward op index -> `aten.op.overload#k` (k counts calls of that op inside the span)."""
+    seen: dict[str, int] = defaultdict(int)
+    out = {}
+    for i in range(span.fwd_start, span.fwd_end):
+        name = graph.ops[i].name
+        out[i] = f"{name}#{seen[name]}"
+        seen[name] += 1
+    return out
+
+
+def dropped_tensors(graph: OpGraph, span: ModuleSpan, keep_ops: Iterable[int] = ()) -> list[int]:
+    """Storages a span stops holding from forward to backward when recomputed or offloaded.
+
+    A storage qualifies when it was allocated inside the span by an op not in `keep_ops`, autograd
+    saved it only inside the span, and no forward op outside the span reads it (outputs of the span
+    stay alive: the next module saves them or a checkpoint keeps them as inputs).
+    """
+    keep = set(keep_ops)
+    consumers = graph.forward_consumers()
+    out = []
+    for i in range(span.fwd_start, span.fwd_end):
+        if i in keep:
+            continue
+        for tid in graph.ops[i].allocs:
+            t = graph.tensors[tid]
+            if not t.saved_by or t.category not in ("activation", "temporary"):
+                continue
+            if any(not (span.fwd_start <= s < span.fwd_end) for s in t.saved_by):
+                continue
+            if any(not (span.fwd_start <= c < span.fwd_end) for c in consumers.get(tid, ())):
+                continue
+            out.append(tid)
+    return out
+
+
+def choices_from_decisions(graph: OpGraph, decisions: Sequence) -> list[SpanChoice]:
+    """Resolve plan decisions (objects with module, action, op, target) into span choices."""
+    by_module: dict[str, list] = defaultdict(list)
+    for d in decisions:
+        by_module[d.module].append(d)
+    choices = []
+    for path, ds in by_module.items():
+        whole = [d for d in ds if d.op is None]
+        if not whole or whole[0].action == "keep":
+            continue
+        span = module_span(graph, path)
+        if whole[0].action == "offload":
+            choices.append(SpanChoice(span, "offload", target=whole[0].target))
+            continue
+        keys = {k: i for i, k in op_keys(graph, span).items()}
+        keep = set()
+        for d in ds:
+            if d.op is None:
+                continue
+            if d.op not in keys:
+                raise ValueError(f"plan names op '{d.op}' in module '{path}', which does not run it; "
+                                 "re-plan with memplan plan for this model and configuration")
+            if d.action == "keep":
+                keep.add(keys[d.op])
+        choices.append(SpanChoice(span, "recompute", frozenset(keep)))
+    _check_disjoint(choices)
+    return choices
+
+
+def _check_disjoint(choices: list[SpanChoice]) -> None:
+    spans = sorted((c.span.fwd_start, c.span.fwd_end, c.span.path) for c in choices)
+    for (a0, a1, pa), (b0, _, pb) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise ValueError(f"plan recomputes or offloads both '{pa}' and '{pb}', which overlap; "
+                             "choose one of them")

@@ -1,0 +1,296 @@
+"""Event simulation of one steady-state training step -> :class:`Timeline`.
+
+The step starts with parameters and optimizer states live and gradients `None`
+(`zero_grad(set_to_none=True)`), runs the traced forward, loss and backward, then the optimizer
+step. Storages are allocated and freed where the trace saw it happen; a plan moves the frees of
+what it recomputes or offloads to where they would die naturally, and re-creates them in backward.
+ZeRO sharding scales parameter, gradient and optimizer bytes per device and adds the gathered
+parameters (stage 3) and unsharded gradients (stage 2+) of the block that is running.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from costmodels.hardware import DeviceSpec, get_device
+from costmodels.memory import ModelStates, get_precision, model_state_bytes
+from costmodels.runtime import op_time_s, transfer_time_s
+from planner.config import TrainConfig
+from planner.graph import CATEGORIES, OpGraph, OpNode
+from planner.schedule import SpanChoice, dropped_tensors
+
+__all__ = ["Timeline", "StepCosts", "simulate", "op_times"]
+
+_DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Time of the step and what a plan adds to it."""
+
+    step_s: float
+    recompute_flops: int
+    recompute_s: float
+    offload_bytes: int
+    exposed_offload_s: float
+
+    @property
+    def overhead(self) -> float:
+        base = self.step_s - self.recompute_s - self.exposed_offload_s
+        return (self.recompute_s + self.exposed_offload_s) / base if base > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "overhead": self.overhead}
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Memory of one step over time, per category, with the peak and who causes it."""
+
+    peak_bytes: int
+    peak_phase: str
+    peak_op: str
+    peak_module: str
+    breakdown_at_peak: dict[str, int]
+    model_states: dict[str, int]
+    num_parameters: int
+    costs: StepCosts
+    config: dict
+    op_index: np.ndarray = field(repr=False)  # (n,) op index of each sample
+    phases: tuple[str, ...] = field(repr=False)  # (n,) phase of each sample
+    by_category: np.ndarray = field(repr=False)  # (n, 6) bytes per category
+
+    @property
+    def total(self) -> np.ndarray:
+        return self.by_category.sum(axis=1)
+
+    def to_dict(self, max_points: int = 2000) -> dict:
+        """JSON-ready; the curve keeps each bucket's maximum so the peak survives downsampling."""
+        total = self.total
+        n = len(total)
+        step = max(1, -(-n // max_points))
+        rows = []
+        for start in range(0, n, step):
+            k = start + int(np.argmax(total[start:start + step]))
+            rows.append({"index": k, "op_index": int(self.op_index[k]), "phase": self.phases[k],
+                         "total_bytes": int(total[k]),
+                         **{c: int(v) for c, v in zip(CATEGORIES, self.by_category[k])}})
+        return {
+            "peak_bytes": self.peak_bytes,
+            "peak_phase": self.peak_phase,
+            "peak_op": self.peak_op,
+            "peak_module": self.peak_module,
+            "breakdown_at_peak": dict(self.breakdown_at_peak),
+            "model_states": dict(self.model_states),
+            "num_parameters": self.num_parameters,
+            "costs": self.costs.to_dict(),
+            "config": dict(self.config),
+            "timeline": rows,
+        }
+
+
+def op_times(graph: OpGraph, device: DeviceSpec) -> np.ndarray:
+    """Roofline seconds of each op on the target device (views and no-ops cost nothing)."""
+    out = np.zeros(len(graph.ops))
+    for op in graph.ops:
+        if op.flops == 0 and not op.allocs:
+            continue
+        out[op.index] = op_time_s(op.flops, op.bytes_accessed, _DTYPES.get(op.dtype, torch.float32), device)
+    return out
+
+
+class _Memory:
+    """Live bytes per category and the recorded samples."""
+
+    def __init__(self) -> None:
+        self.live = dict.fromkeys(CATEGORIES, 0)
+        self.samples: list[tuple[int, str, str, str, tuple[int, ...]]] = []
+
+    def add(self, category: str, nbytes: int) -> None:
+        self.live[category] += nbytes
+
+    def sample(self, op_index: int, phase: str, op: str, module: str, extra: dict[str, int] | None = None) -> None:
+        values = dict(self.live)
+        for c, v in (extra or {}).items():
+            values[c] += v
+        self.samples.append((op_index, phase, op, module, tuple(values[c] for c in CATEGORIES)))
+
+
+def _scale(config: TrainConfig) -> dict[str, float]:
+    """Per-device fraction of each traced category under ZeRO sharding."""
+    dp, z = config.dp, config.zero_stage
+    return {"parameter": 1 / dp if z >= 3 else 1.0, "gradient": 1 / dp if z >= 2 else 1.0}
+
+
+def _block_transients(graph: OpGraph, config: TrainConfig) -> dict[int, dict[str, int]]:
+    """Op index -> extra bytes of sharding buffers while a block runs (gathered params, full grads)."""
+    out: dict[int, dict[str, int]] = {}
+    if config.dp == 1 or config.zero_stage < 2:
+        return out
+    unsharded = 1 - 1 / config.dp
+    for r in graph.regions:
+        gathered = int(r.param_bytes * unsharded) if config.zero_stage >= 3 else 0
+        for i in range(r.fwd_start, r.fwd_end):
+            out[i] = {"parameter": gathered}
+        for i in range(r.bwd_start, r.bwd_end):
+            out[i] = {"parameter": gathered, "gradient": int(r.param_bytes * unsharded)}
+    return out
+
+
+def _model_states(graph: OpGraph, config: TrainConfig) -> ModelStates:
+    precision = get_precision(config.precision)
+    foreach = get_device(config.gpu).is_cuda
+    return model_state_bytes(graph.param_shapes, precision, config.optimizer, config.zero_stage,
+                             config.dp, foreach=foreach)
+
+
+def _offload_exposure(graph: OpGraph, times: np.ndarray, device: DeviceSpec,
+                      offloads: list[tuple[SpanChoice, int]]) -> float:
+    """Seconds of offload traffic not hidden behind compute: one copy engine each way.
+
+    Stores start when a span's forward ends and must finish by the end of forward; loads for a
+    span start when the backward of the span before it (in backward order) starts and must finish
+    before the span's backward begins.
+    """
+    if not offloads:
+        return 0.0
+    clock = np.concatenate([[0.0], np.cumsum(times)])  # clock[i] = start time of op i
+    exposed, link = 0.0, 0.0
+    for choice, nbytes in sorted(offloads, key=lambda x: x[0].span.fwd_end):
+        link = max(link, clock[choice.span.fwd_end]) + transfer_time_s(nbytes, device, choice.target)
+    exposed += max(0.0, link - clock[graph.backward_start])
+    link = clock[graph.backward_start]
+    ordered = sorted(offloads, key=lambda x: x[0].span.bwd_start)
+    previous_start = graph.backward_start
+    for choice, nbytes in ordered:
+        link = max(link, clock[previous_start]) + transfer_time_s(nbytes, device, choice.target)
+        exposed += max(0.0, link - clock[choice.span.bwd_start])
+        previous_start = choice.span.bwd_start
+    return exposed
+
+
+def simulate(graph: OpGraph, config: TrainConfig | None = None,
+             choices: Sequence[SpanChoice] = ()) -> Timeline:
+    """Simulate one training step of a traced graph under a plan's span choices."""
+    config = config or TrainConfig(batch_size=graph.meta.get("batch_size", 1),
+                                   seq_len=graph.meta.get("seq_len", 1))
+    device = get_device(config.gpu)
+    scale = _scale(config)
+    states = _model_states(graph, config)
+    times = op_times(graph, device)
+    transients = _block_transients(graph, config)
+
+    def nbytes_of(tid: int) -> int:
+        t = graph.tensors[tid]
+        return int(t.nbytes * scale.get(t.category, 1.0))
+
+    mem = _Memory()
+    for t in graph.preexisting():
+        mem.add(t.category, nbytes_of(t.id))
+    mem.add("optimizer", states.optimizer)
+
+    frees: dict[int, list[tuple[str, int]]] = defaultdict(list)  # op -> (category, bytes)
+    moved: set[int] = set()
+    inserts: dict[int, list[tuple[SpanChoice, list[int]]]] = defaultdict(list)
+    recompute_flops, recompute_s, offloads = 0, 0.0, []
+    for choice in choices:
+        dropped = dropped_tensors(graph, choice.span, choice.keep_ops)
+        for tid in dropped:
+            t = graph.tensors[tid]
+            frees[t.natural_free_op if t.natural_free_op is not None else graph.backward_start].append(
+                (t.category, nbytes_of(tid)))
+            moved.add(tid)
+        for i in choice.keep_ops:  # cached outputs of kept ops live at least until the recompute
+            for tid in graph.ops[i].allocs:
+                t = graph.tensors[tid]
+                if t.free_op is not None and t.free_op < choice.span.bwd_start:
+                    frees[choice.span.bwd_start].append((t.category, nbytes_of(tid)))
+                    moved.add(tid)
+        inserts[choice.span.bwd_start].append((choice, dropped))
+        if choice.mode == "recompute":
+            redo = [i for i in range(choice.span.fwd_start, choice.span.fwd_end) if i not in choice.keep_ops]
+            recompute_flops += sum(graph.ops[i].flops for i in redo)
+            recompute_s += float(times[redo].sum()) if redo else 0.0
+        else:
+            offloads.append((choice, sum(graph.tensors[t].nbytes for t in dropped)))
+    for t in graph.tensors.values():
+        if t.id not in moved and t.free_op is not None:
+            frees[t.free_op].append((t.category, nbytes_of(t.id)))
+
+    for op in graph.ops:
+        for category, nbytes in frees.pop(op.index, ()):
+            mem.add(category, -nbytes)
+        for choice, dropped in inserts.get(op.index, ()):
+            _replay(graph, mem, frees, choice, dropped, nbytes_of, transients.get(op.index))
+        for tid in op.allocs:
+            mem.add(graph.tensors[tid].category, nbytes_of(tid))
+        mem.sample(op.index, op.phase, op.name, op.module, transients.get(op.index))
+    for category, nbytes in frees.pop(len(graph.ops), ()):
+        mem.add(category, -nbytes)
+    mem.sample(len(graph.ops), "optimizer", "optimizer.step", "", {"temporary": states.optimizer_step_temporary})
+
+    exposed = _offload_exposure(graph, times, device, offloads)
+    optimizer_s = 2 * (states.parameter + states.gradient + states.optimizer) / device.hbm_bytes_per_s
+    costs = StepCosts(
+        step_s=float(times.sum()) + optimizer_s + recompute_s + exposed,
+        recompute_flops=int(recompute_flops), recompute_s=recompute_s,
+        offload_bytes=int(sum(b for _, b in offloads)), exposed_offload_s=exposed,
+    )
+    return _timeline(mem, states, graph, config, costs)
+
+
+def _replay(graph: OpGraph, mem: _Memory, frees, choice: SpanChoice, dropped: list[int],
+            nbytes_of, extra: dict[str, int] | None) -> None:
+    """Re-create a span's dropped storages just before its backward: recompute or reload."""
+    span = choice.span
+    keep = set(dropped)
+    label = "recompute" if choice.mode == "recompute" else f"reload from {choice.target}"
+    if choice.mode == "offload":
+        for tid in dropped:
+            t = graph.tensors[tid]
+            mem.add(t.category, nbytes_of(tid))
+            frees[max(t.free_op or 0, span.bwd_start)].append((t.category, nbytes_of(tid)))
+        mem.sample(span.bwd_start, "backward", label, span.path, extra)
+        return
+    local_frees: dict[int, list[tuple[str, int]]] = defaultdict(list)
+    for i in range(span.fwd_start, span.fwd_end):
+        for category, nbytes in local_frees.pop(i, ()):
+            mem.add(category, -nbytes)
+        if i in choice.keep_ops:
+            continue
+        op = graph.ops[i]
+        for tid in op.allocs:
+            t = graph.tensors[tid]
+            nbytes = nbytes_of(tid)
+            mem.add(t.category, nbytes)
+            if tid in keep and t.free_op is not None and t.free_op > span.bwd_start:
+                frees[t.free_op].append((t.category, nbytes))
+            else:
+                natural = t.natural_free_op if t.natural_free_op is not None else span.fwd_end
+                local_frees[min(natural, span.fwd_end)].append((t.category, nbytes))
+        mem.sample(span.bwd_start, "backward", f"{label} {op.name}", op.module, extra)
+    for pending in local_frees.values():
+        for category, nbytes in pending:
+            mem.add(category, -nbytes)
+
+
+def _timeline(mem: _Memory, states: ModelStates, graph: OpGraph, config: TrainConfig,
+              costs: StepCosts) -> Timeline:
+    by_category = np.array([s[4] for s in mem.samples], dtype=np.int64).reshape(-1, len(CATEGORIES))
+    total = by_category.sum(axis=1)
+    k = int(np.argmax(total))
+    op_index, phase, op, module, _ = mem.samples[k]
+    return Timeline(
+        peak_bytes=int(total[k]), peak_phase=phase, peak_op=op, peak_module=module,
+        breakdown_at_peak={c: int(v) for c, v in zip(CATEGORIES, by_category[k])},
+        model_states={"parameter": states.parameter, "gradient": states.gradient,
+                      "optimizer": states.optimizer},
+        num_parameters=states.num_parameters, costs=costs, config=config.to_dict(),
+        op_index=np.array([s[0] for s in mem.samples]), phases=tuple(s[1] for s in mem.samples),
+        by_category=by_category,
+    )

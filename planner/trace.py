@@ -1,0 +1,364 @@
+"""Trace one training step on fake tensors into an :class:`OpGraph`.
+
+Two passes over the same fake model, nothing allocated for real:
+
+1. forward, loss and backward under a recording dispatch mode: every aten op in order, the
+   storages it creates, and when each storage dies (weakref finalizers fire the moment CPython
+   drops the last reference). `saved_tensors_hooks` report exactly which storages autograd saves.
+2. the same forward with saved tensors discarded: where each forward storage would die if
+   autograd did not hold it. The simulator needs that to model recompute and offload.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch._subclasses import FakeTensorMode
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from costmodels.flops import op_bytes_accessed, op_flops
+from costmodels.memory import get_precision
+from planner.graph import OpGraph, OpNode, Region, TensorInfo
+from planner.regions import find_region_paths, module_signature
+from planner.spec import ModelSpec, SpecError, resolve_spec
+
+__all__ = ["TraceError", "trace", "trace_model", "loss_of", "run_step_inputs"]
+
+
+class TraceError(ValueError):
+    """The model could not be traced on fake tensors."""
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss of a step: the output when it is a scalar, else its `.loss`, else the sum of its
+    first tensor."""
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    for leaf in tree_leaves(output):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            return leaf.sum()
+    raise TraceError("the model returned no floating-point tensor to use as a loss")
+
+
+def run_step_inputs(model: nn.Module, inputs: tuple | dict) -> Any:
+    """Call the model with positional (tuple) or keyword (dict) inputs."""
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def _as_int(value: Any, what: str) -> int:
+    try:
+        return int(value)
+    except Exception as exc:  # a data-dependent (unbacked) size cannot become an int
+        raise TraceError(f"{what} has a data-dependent size ({value}); memplan needs static shapes") from exc
+
+
+# ATen's mse_loss / smooth_l1_loss / huber_loss compute the unreduced loss and reduce it into the
+# same buffer (Loss.cpp), so the scalar they return keeps the full-size storage alive. Fake
+# tensors get a 4-byte storage; the real kernels do not.
+_REDUCED_INTO_UNREDUCED = ("aten.mse_loss.default", "aten.smooth_l1_loss.default", "aten.huber_loss.default")
+
+
+def _kernel_storage_bytes(func, args, out: torch.Tensor, nbytes: int) -> int:
+    """Storage bytes the real kernel leaves behind for `out` (see _REDUCED_INTO_UNREDUCED)."""
+    if str(func) in _REDUCED_INTO_UNREDUCED and out.dim() == 0:
+        shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
+        numel = 1
+        for d in shape:
+            numel *= _as_int(d, "a loss input")
+        return max(nbytes, numel * out.element_size())
+    return nbytes
+
+
+@dataclass
+class _Storage:
+    tid: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    alloc_op: int
+
+
+class _Recorder(TorchDispatchMode):
+    """Records aten ops and storage lifetimes; module paths come from a ModTracker."""
+
+    def __init__(self, tracker: ModTracker, root_name: str, with_costs: bool) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.root_prefix = root_name + "."
+        self.root_name = root_name
+        self.with_costs = with_costs
+        self.ops: list[OpNode] = []
+        self.storages: dict[int, _Storage] = {}
+        self.frees: dict[int, int] = {}
+        self._live: dict[int, int] = {}  # id(storage object) -> tid, only while alive
+        self._next_tid = 0
+        self.phase = "forward"
+        self.recording = True
+        self.current = ("", "")
+
+    # -- storages -----------------------------------------------------------------------
+    def _on_free(self, key: int, tid: int) -> None:
+        self._live.pop(key, None)
+        if self.recording:
+            self.frees[tid] = len(self.ops)
+
+    def tid_of(self, t: torch.Tensor, alloc_op: int, func=None, args=()) -> tuple[int, bool]:
+        """The storage id of `t`, registering it as new (allocated at `alloc_op`) if unseen."""
+        st = t.untyped_storage()
+        key = id(st)
+        tid = self._live.get(key)
+        if tid is not None:
+            return tid, False
+        tid = self._next_tid
+        self._next_tid += 1
+        self._live[key] = tid
+        nbytes = _as_int(st.nbytes(), "a tensor")
+        if func is not None:
+            nbytes = _kernel_storage_bytes(func, args, t, nbytes)
+        self.storages[tid] = _Storage(
+            tid, nbytes, str(t.dtype).replace("torch.", ""),
+            tuple(_as_int(d, "a tensor") for d in t.shape), alloc_op,
+        )
+        weakref.finalize(st, self._on_free, key, tid)
+        return tid, True
+
+    def module_path(self) -> str:
+        deepest = max(self.tracker.parents, key=lambda n: n.count("."))
+        if deepest.startswith(self.root_prefix):
+            return deepest[len(self.root_prefix):]
+        return ""
+
+    # -- dispatch -----------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        module = self.module_path()
+        self.current = (str(func), module)
+        out = func(*args, **kwargs)
+        out_tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not out_tensors:  # metadata queries (prim.device, sym_size, ...) allocate nothing
+            return out
+        index = len(self.ops)
+        inputs = tuple(dict.fromkeys(
+            self.tid_of(t, -1)[0] for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        ))
+        outputs, allocs, dtype = [], [], ""
+        for t in out_tensors:
+            tid, new = self.tid_of(t, index, func, args)
+            outputs.append(tid)
+            if new:
+                allocs.append(tid)
+            dtype = dtype or str(t.dtype).replace("torch.", "")
+        flops = bytes_accessed = 0
+        if self.with_costs:
+            flops = op_flops(func, args, kwargs, out)
+            bytes_accessed = op_bytes_accessed((args, kwargs), out)
+        self.ops.append(OpNode(
+            index, str(func), self.phase, module, int(flops), int(bytes_accessed), dtype,
+            inputs, tuple(dict.fromkeys(outputs)), tuple(allocs),
+        ))
+        return out
+
+
+def _forward_context(precision: str) -> Any:
+    autocast_dtype = get_precision(precision).autocast_dtype
+    if autocast_dtype is None:
+        return nullcontext()
+    return torch.autocast("cpu", dtype=autocast_dtype)
+
+
+def _untraceable(rec: _Recorder, spec_name: str, exc: Exception) -> TraceError:
+    op, module = rec.current
+    where = f"{op} in module '{module or '<root>'}'" if op else "before the first op"
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return TraceError(
+        f"cannot trace model '{spec_name}' on fake tensors: {where} raised "
+        f"{type(exc).__name__}: {msg[:200]}; memplan needs ops with static output shapes "
+        "(no .item()/.nonzero() on data, no data-dependent control flow)"
+    )
+
+
+def _run(model, inputs, rec: _Recorder, precision: str, spec_name: str,
+         saved_hooks: tuple[Callable, Callable], backward: bool) -> tuple[int, torch.Tensor]:
+    """Run forward (+ backward) under `rec`; returns the first backward op's index and the loss
+    (which a training loop holds through the optimizer step)."""
+    try:
+        with rec.tracker, rec, torch.autograd.graph.saved_tensors_hooks(*saved_hooks):
+            with _forward_context(precision):
+                loss = loss_of(run_step_inputs(model, inputs))
+            backward_start = len(rec.ops)
+            if backward:
+                rec.phase = "backward"
+                loss.backward()
+    except (TraceError, SpecError):
+        raise
+    except Exception as exc:
+        raise _untraceable(rec, spec_name, exc) from exc
+    return backward_start, loss
+
+
+def _phase_of_forward_ops(ops: list[OpNode], backward_start: int) -> list[OpNode]:
+    """Forward ops in the root module after the last op of any submodule are the loss."""
+    last_child = max((op.index for op in ops[:backward_start] if op.module), default=-1)
+    out = []
+    for op in ops:
+        if op.index < backward_start and op.index > last_child and last_child >= 0:
+            op = OpNode(**{**op.__dict__, "phase": "loss"})
+        out.append(op)
+    return out
+
+
+def _regions(model: nn.Module, ops: list[OpNode], backward_start: int,
+             param_bytes_of: Callable[[nn.Module], int]) -> list[Region]:
+    regions = []
+    for path in find_region_paths(model):
+        module = model.get_submodule(path)
+        prefix = path + "."
+        inside = [op.index for op in ops if op.module == path or op.module.startswith(prefix)]
+        fwd = [i for i in inside if i < backward_start]
+        bwd = [i for i in inside if i >= backward_start]
+        if not fwd or not bwd:
+            continue
+        regions.append(Region(path, module_signature(module), param_bytes_of(module),
+                              min(fwd), max(fwd) + 1, min(bwd), max(bwd) + 1))
+    return regions
+
+
+def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp32",
+                name: str = "model") -> OpGraph:
+    """Trace a model whose parameters and inputs are fake tensors of the active FakeTensorMode."""
+    root_name = type(model).__name__
+    params = [p for p in model.parameters()]
+    param_dtype = str(params[0].dtype).replace("torch.", "") if params else "float32"
+
+    def param_bytes_of(m: nn.Module) -> int:
+        return sum(_as_int(p.untyped_storage().nbytes(), "a parameter") for p in m.parameters())
+
+    # Pass 2 first: natural lifetimes of forward storages when nothing is saved.
+    natural = _Recorder(ModTracker(), root_name, with_costs=False)
+    _register_preexisting(natural, model, inputs)
+    _run(model, inputs, natural, precision, name, (lambda t: None, _no_unpack), backward=False)
+    natural_free_by_key = _free_by_alloc_key(natural)
+
+    rec = _Recorder(ModTracker(), root_name, with_costs=True)
+    categories = _register_preexisting(rec, model, inputs)
+    saved_by: dict[int, list[int]] = defaultdict(list)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if rec.phase == "forward":
+            tid, _ = rec.tid_of(t, len(rec.ops) - 1)
+            saved_by[tid].append(max(len(rec.ops) - 1, 0))
+        return t
+
+    backward_start, loss = _run(model, inputs, rec, precision, name, (pack, _identity), backward=True)
+    for p in params:
+        if p.grad is not None:
+            categories[rec.tid_of(p.grad, -1)[0]] = "gradient"
+    rec.recording = False  # storages alive now outlive the step
+    del loss
+    ops = _phase_of_forward_ops(rec.ops, backward_start)
+    if len(natural.ops) != backward_start:
+        raise TraceError(f"model '{name}' ran a different forward twice ({len(natural.ops)} vs "
+                         f"{backward_start} ops); memplan needs a deterministic forward")
+    alloc_key = _alloc_keys(rec)
+    tensors: dict[int, TensorInfo] = {}
+    for tid, st in rec.storages.items():
+        free_op = rec.frees.get(tid)
+        category = categories.get(tid)
+        if category is None:
+            category = "activation" if saved_by.get(tid) else "temporary"
+        natural_free = None
+        if 0 <= st.alloc_op < backward_start:
+            natural_free = min(natural_free_by_key.get(alloc_key[tid], backward_start), backward_start)
+        elif category in ("activation", "temporary") and st.alloc_op < 0:
+            natural_free = None
+        tensors[tid] = TensorInfo(
+            tid, st.nbytes, category, st.dtype, st.shape, st.alloc_op, free_op,
+            natural_free, tuple(sorted(set(saved_by.get(tid, ())))),
+        )
+    # Inputs the step holds that autograd saved count as activations.
+    for tid in list(tensors):
+        t = tensors[tid]
+        if categories.get(tid) == "input":
+            tensors[tid] = TensorInfo(**{**t.__dict__, "category": "activation" if t.saved_by else "temporary"})
+    _drop_parameter_saves(tensors)
+    return OpGraph(
+        ops=ops, tensors=tensors, regions=_regions(model, ops, backward_start, param_bytes_of),
+        backward_start=backward_start,
+        param_shapes=[tuple(_as_int(d, "a parameter") for d in p.shape) for p in params],
+        param_dtype=param_dtype, meta={"model": name, "precision": precision},
+    )
+
+
+def _identity(x):
+    return x
+
+
+def _no_unpack(_):
+    raise RuntimeError("memplan's lifetime pass runs no backward")
+
+
+def _register_preexisting(rec: _Recorder, model: nn.Module, inputs) -> dict[int, str]:
+    categories: dict[int, str] = {}
+    for p in model.parameters():
+        categories[rec.tid_of(p, -1)[0]] = "parameter"
+    for b in model.buffers():
+        categories.setdefault(rec.tid_of(b, -1)[0], "buffer")
+    for t in tree_leaves(inputs):
+        if isinstance(t, torch.Tensor):
+            categories.setdefault(rec.tid_of(t, -1)[0], "input")
+    return categories
+
+
+def _alloc_keys(rec: _Recorder) -> dict[int, tuple[int, int]]:
+    """tid -> (allocating op, position among that op's allocations): aligns the two passes."""
+    keys = {}
+    for op in rec.ops:
+        for k, tid in enumerate(op.allocs):
+            keys[tid] = (op.index, k)
+    return keys
+
+
+def _free_by_alloc_key(rec: _Recorder) -> dict[tuple[int, int], int]:
+    keys = _alloc_keys(rec)
+    return {keys[tid]: free for tid, free in rec.frees.items() if tid in keys}
+
+
+def _drop_parameter_saves(tensors: dict[int, TensorInfo]) -> None:
+    """Parameters and buffers saved by autograd (an mm saves its weight) are not activations."""
+    for tid, t in tensors.items():
+        if t.category in ("parameter", "buffer", "gradient") and t.saved_by:
+            tensors[tid] = TensorInfo(**{**t.__dict__, "saved_by": ()})
+
+
+def trace(spec: str | ModelSpec, *, batch_size: int = 1, seq_len: int = 512,
+          precision: str = "fp32") -> OpGraph:
+    """Trace one forward, loss and backward of a model spec on fake CPU tensors.
+
+    Nothing is allocated: a 70B model traces on a laptop. The precision decides the parameter
+    dtype and the autocast dtype of the forward.
+    """
+    model_spec = resolve_spec(spec) if isinstance(spec, str) else spec
+    prec = get_precision(precision)
+    with ExitStack() as stack:
+        stack.enter_context(FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True))
+        model, inputs = model_spec.build(batch_size=batch_size, seq_len=seq_len)
+        if prec.param_dtype != torch.float32:
+            model.to(prec.param_dtype)
+        model.train()
+        graph = trace_model(model, inputs, precision=precision, name=model_spec.name)
+    graph.meta.update(batch_size=batch_size, seq_len=seq_len)
+    return graph

@@ -1,0 +1,120 @@
+"""Run a real training step on this machine and measure the peak of live tensor bytes.
+
+The measurement does not use the trace or the simulator: a dispatch mode counts each storage
+an op creates and a weakref finalizer subtracts it when CPython frees it; everything that exists
+before the step (parameters, buffers, optimizer states, inputs) is counted up front.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from costmodels.memory import get_precision
+from planner.config import TrainConfig
+
+__all__ = ["LiveBytesTracker", "Measurement", "make_optimizer", "measure_step"]
+
+
+class LiveBytesTracker(TorchDispatchMode):
+    """Counts live storage bytes; `peak_bytes` is the maximum seen right after any op's outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: dict[int, int] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def _release(self, key: int) -> None:
+        self.live_bytes -= self._seen.pop(key, 0)
+
+    def track(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self._seen:
+            return
+        nbytes = st.nbytes()
+        self._seen[key] = nbytes
+        self.live_bytes += nbytes
+        weakref.finalize(st, self._release, key)
+
+    def track_all(self, objects) -> None:
+        for t in tree_leaves(objects):
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return out
+
+    def sample(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Peak of live tensor bytes over one measured step (after a warm-up step)."""
+
+    peak_bytes: int
+    start_bytes: int
+    loss: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def make_optimizer(params, name: str) -> torch.optim.Optimizer | None:
+    """The torch optimizer memplan's accounting describes (CPU, single-tensor path)."""
+    params = [p for p in params if p.requires_grad]
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, foreach=False)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=False)
+    if name == "adafactor":
+        return torch.optim.Adafactor(params, lr=1e-3, foreach=False)
+    if name == "none":
+        return None
+    raise ValueError(f"optimizer '{name}' cannot run on this machine; verify with adamw, sgd, adafactor or none")
+
+
+def _step(model: nn.Module, inputs, optimizer, precision: str):
+    from planner.trace import loss_of, run_step_inputs
+
+    autocast_dtype = get_precision(precision).autocast_dtype
+    ctx = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
+    with ctx:
+        loss = loss_of(run_step_inputs(model, inputs))
+    loss.backward()
+    if optimizer is not None:
+        optimizer.step()
+    return loss
+
+
+def measure_step(model: nn.Module, inputs, config: TrainConfig) -> Measurement:
+    """Warm up one step, then measure the peak live bytes of a second, steady-state step."""
+    optimizer = make_optimizer(model.parameters(), config.optimizer)
+    model.train()
+    for p in model.parameters():
+        p.grad = None
+    _step(model, inputs, optimizer, config.precision)
+    for p in model.parameters():
+        p.grad = None
+    tracker = LiveBytesTracker()
+    tracker.track_all([list(model.parameters()), list(model.buffers()), inputs,
+                       optimizer.state_dict()["state"] if optimizer is not None else []])
+    start = tracker.live_bytes
+    with tracker:
+        loss = _step(model, inputs, optimizer, config.precision)
+        tracker.sample()
+    return Measurement(peak_bytes=tracker.peak_bytes, start_bytes=start, loss=float(loss.detach()))
