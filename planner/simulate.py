@@ -21,8 +21,8 @@ from costmodels.hardware import DeviceSpec, get_device
 from costmodels.memory import ModelStates, get_precision, model_state_bytes
 from costmodels.runtime import op_time_s, transfer_time_s
 from planner.config import TrainConfig
-from planner.graph import CATEGORIES, OpGraph, OpNode
-from planner.schedule import SpanChoice, dropped_tensors
+from planner.graph import CATEGORIES, OpGraph
+from planner.schedule import SpanChoice, choices_from_decisions, dropped_tensors
 
 __all__ = ["Timeline", "StepCosts", "simulate", "op_times"]
 
@@ -174,9 +174,11 @@ def _offload_exposure(graph: OpGraph, times: np.ndarray, device: DeviceSpec,
     return exposed
 
 
-def simulate(graph: OpGraph, config: TrainConfig | None = None,
+def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
              choices: Sequence[SpanChoice] = ()) -> Timeline:
-    """Simulate one training step of a traced graph under a plan's span choices."""
+    """Simulate one training step of a traced graph, optionally under a plan (or span choices)."""
+    if plan is not None:
+        choices = list(choices) + choices_from_decisions(graph, plan.decisions)
     config = config or TrainConfig(batch_size=graph.meta.get("batch_size", 1),
                                    seq_len=graph.meta.get("seq_len", 1))
     device = get_device(config.gpu)
@@ -253,8 +255,9 @@ def _replay(graph: OpGraph, mem: _Memory, frees, choice: SpanChoice, dropped: li
     if choice.mode == "offload":
         for tid in dropped:
             t = graph.tensors[tid]
-            mem.add(t.category, nbytes_of(tid))
-            frees[max(t.free_op or 0, span.bwd_start)].append((t.category, nbytes_of(tid)))
+            if t.free_op is not None and t.free_op > span.bwd_start:
+                mem.add(t.category, nbytes_of(tid))
+                frees[t.free_op].append((t.category, nbytes_of(tid)))
         mem.sample(span.bwd_start, "backward", label, span.path, extra)
         return
     local_frees: dict[int, list[tuple[str, int]]] = defaultdict(list)

@@ -1,0 +1,128 @@
+"""Human-readable output: byte formatting, tables and figures. Algorithms never print."""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+from planner.graph import CATEGORIES
+
+__all__ = ["format_bytes", "parse_bytes", "table", "timeline_table", "plot_timeline", "plot_sweep"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB'."""
+    sign = "-" if n < 0 else ""
+    n = abs(float(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_bytes(text: str) -> int:
+    """'40GiB', '123456789B', '1.5 TB' -> bytes; ValueError that lists the accepted units."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ValueError(f"cannot read size '{text}'; write a number with a unit, e.g. 40GiB, 80GB, "
+                         "512MiB or 123456789B (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"size must be positive, got '{text}'")
+    return value
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain aligned text table (numbers right-aligned)."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def fmt(row: list[str], is_header: bool = False) -> str:
+        out = []
+        for i, c in enumerate(row):
+            numeric = not is_header and re.fullmatch(r"[-+0-9.,%x ]+(B|KiB|MiB|GiB|TiB|s|ms)?", c) is not None
+            out.append(c.rjust(widths[i]) if numeric else c.ljust(widths[i]))
+        return "  ".join(out).rstrip()
+
+    lines = [fmt(cells[0], True), "  ".join("-" * w for w in widths)]
+    lines += [fmt(r) for r in cells[1:]]
+    return "\n".join(lines)
+
+
+def timeline_table(result: dict, capacity_bytes: int | None = None) -> str:
+    """The peak and its breakdown from a Timeline.to_dict()-shaped result."""
+    rows = [[c, format_bytes(result["breakdown_at_peak"][c])] for c in CATEGORIES]
+    rows.append(["total (peak)", format_bytes(result["peak_bytes"])])
+    lines = [
+        f"peak {format_bytes(result['peak_bytes'])} in {result['peak_phase']} at "
+        f"{result['peak_op']} (module '{result['peak_module'] or '<root>'}')",
+        table(["category", "at peak"], rows),
+        "",
+        "model states per device: " + ", ".join(
+            f"{k} {format_bytes(v)}" for k, v in result["model_states"].items())
+        + f"; {result['num_parameters'] / 1e9:.3f}B parameters",
+    ]
+    if capacity_bytes:
+        free = capacity_bytes - result["peak_bytes"]
+        verdict = "fits" if free >= 0 else "does NOT fit"
+        lines.append(f"device capacity {format_bytes(capacity_bytes)}: {verdict} "
+                     f"({'headroom' if free >= 0 else 'short by'} {format_bytes(abs(free))})")
+    return "\n".join(lines)
+
+
+def plot_timeline(result: dict, path: str, capacity_bytes: int | None = None) -> None:
+    """Stacked area of memory by category over the step, written as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["timeline"]
+    x = list(range(len(rows)))
+    gib = 2**30
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    ax.stackplot(x, *[[r[c] / gib for r in rows] for c in CATEGORIES], labels=CATEGORIES, alpha=0.85)
+    if capacity_bytes:
+        ax.axhline(capacity_bytes / gib, color="red", linestyle="--", label="device capacity")
+    phases = [r["phase"] for r in rows]
+    for phase in ("loss", "backward", "optimizer"):
+        if phase in phases:
+            ax.axvline(phases.index(phase), color="gray", linewidth=0.8)
+            ax.text(phases.index(phase), ax.get_ylim()[1] * 0.97, phase, fontsize=8, va="top")
+    cfg = result.get("config", {})
+    ax.set_title(f"{cfg.get('model', '')} batch {cfg.get('batch_size')} seq {cfg.get('seq_len')} "
+                 f"{cfg.get('precision')} on {cfg.get('gpu')}: peak {format_bytes(result['peak_bytes'])}")
+    ax.set_xlabel("step progress (samples, in execution order)")
+    ax.set_ylabel("GiB")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sweep(seq_lens: Sequence[int], peaks: Sequence[int], path: str, capacity_bytes: int | None,
+               title: str) -> None:
+    """Peak against sequence length with the device capacity line, written as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gib = 2**30
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(seq_lens, [p / gib for p in peaks], marker="o", label="predicted peak")
+    if capacity_bytes:
+        ax.axhline(capacity_bytes / gib, color="red", linestyle="--", label="device capacity")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("GiB")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

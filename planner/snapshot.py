@@ -1,0 +1,662 @@
+"""Safe reader and analyser for CUDA caching-allocator memory snapshots.
+
+Reads the pickle written by ``torch.cuda.memory._dump_snapshot(path)`` without
+executing anything: the unpickler refuses every global and persistent id, so
+only plain data (dict/list/tuple/str/int/float/bool/None) can be loaded.
+
+Layout (``torch.cuda.memory._snapshot()``, torch >= 2.1)::
+
+    {"segments": [Segment], "device_traces": [[TraceEntry]],
+     "allocator_settings": {...}, ...}
+    Segment = {"device", "address", "total_size", "allocated_size", "active_size",
+               "requested_size", "stream", "segment_type": "small"|"large",
+               "segment_pool_id", "is_expandable", "frames", "blocks": [Block]}
+    Block = {"address", "size", "requested_size",
+             "state": "active_allocated"|"active_pending_free"|"inactive",
+             "frames": [{"filename", "line", "name"}]}
+    TraceEntry = {"action", "addr" | "device_free", "size", "stream", "frames", ...}
+
+Older snapshots are a bare list of segments whose blocks may lack
+``requested_size`` and carry ``history: [{"addr", "real_size", "frames"}]``.
+Unknown keys are ignored.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+__all__ = [
+    "Allocation",
+    "AllocatorSettings",
+    "PoolSummary",
+    "SnapshotReport",
+    "TraceSummary",
+    "analyze_snapshot",
+    "load_snapshot_bytes",
+    "read_snapshot",
+]
+
+DEFAULT_MAX_BYTES = 8 * 1024**3
+"""Refuse snapshot files larger than this unless the caller raises the limit."""
+
+TOP_ALLOCATIONS = 10
+MAX_FRAMES = 10
+
+# Advice thresholds (fractions of reserved memory / of free memory).
+FRAGMENTATION_RATIO_HIGH = 0.5
+FREE_SHARE_NOTABLE = 0.10
+SPLIT_SHARE_HIGH = 0.10
+
+_HOW_TO_WRITE = "write one with torch.cuda.memory._dump_snapshot(path)"
+_BLOCK_STATES = {
+    "active_allocated": "allocated",
+    "active_pending_free": "pending_free",
+    "active_awaiting_free": "pending_free",  # spelling used in torch's docstring
+    "inactive": "inactive",
+}
+# Same omissions as torch.cuda._memory_viz._frame_filter (interpreter/dispatcher noise).
+_OMIT_FUNCTIONS = (
+    "unwind::unwind",
+    "CapturedTraceback::gather",
+    "gather_with_cpp",
+    "_start",
+    "__libc_start_main",
+    "PyEval_",
+    "PyObject_",
+    "PyFunction_",
+)
+_OMIT_FILENAMES = (
+    "core/boxing",
+    "/Register",
+    "/Redispatch",
+    "pythonrun.c",
+    "Modules/main.c",
+    "Objects/call.c",
+    "Objects/methodobject.c",
+    "pycore_ceval.h",
+    "ceval.c",
+    "cpython/abstract.h",
+)
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One live (``active_allocated``) block, with its innermost frames."""
+
+    size: int
+    requested_size: int
+    frames: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "size": self.size,
+            "requested_size": self.requested_size,
+            "frames": list(self.frames),
+        }
+
+
+@dataclass(frozen=True)
+class PoolSummary:
+    """Segments of one allocator pool (``small`` < 1 MiB blocks, ``large`` otherwise)."""
+
+    pool: str
+    segments: int
+    reserved_bytes: int
+    allocated_bytes: int
+    free_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pool": self.pool,
+            "segments": self.segments,
+            "reserved_bytes": self.reserved_bytes,
+            "allocated_bytes": self.allocated_bytes,
+            "free_bytes": self.free_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class AllocatorSettings:
+    """Allocator configuration recorded in the snapshot (None when not recorded)."""
+
+    alloc_conf: str | None
+    expandable_segments: bool | None
+    max_split_size_bytes: int | None
+    garbage_collection_threshold: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "alloc_conf": self.alloc_conf,
+            "expandable_segments": self.expandable_segments,
+            "max_split_size_bytes": self.max_split_size_bytes,
+            "garbage_collection_threshold": self.garbage_collection_threshold,
+        }
+
+
+@dataclass(frozen=True)
+class TraceSummary:
+    """Counts of allocator trace events (recorded with ``_record_memory_history``)."""
+
+    num_entries: int
+    counts: tuple[tuple[str, int], ...]
+    has_oom: bool
+    last_oom_requested_bytes: int | None
+    last_oom_device_free_bytes: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_entries": self.num_entries,
+            "counts": dict(self.counts),
+            "has_oom": self.has_oom,
+            "last_oom_requested_bytes": self.last_oom_requested_bytes,
+            "last_oom_device_free_bytes": self.last_oom_device_free_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class SnapshotReport:
+    """Figures derived from one snapshot.
+
+    ``requested_bytes`` covers ``active_allocated`` blocks only, so
+    ``allocated_bytes - requested_bytes`` is the allocator's rounding overhead.
+    ``inactive_split_bytes`` is free memory inside segments that also hold live
+    blocks: it cannot be returned to CUDA and only fits requests of its size.
+    """
+
+    format: str
+    reserved_bytes: int
+    allocated_bytes: int
+    requested_bytes: int
+    pending_free_bytes: int
+    free_bytes: int
+    largest_free_block_bytes: int
+    inactive_split_bytes: int
+    fragmentation_ratio: float
+    num_segments: int
+    num_blocks: int
+    devices: tuple[int, ...]
+    segments_by_pool: tuple[PoolSummary, ...]
+    expandable_segments: bool
+    allocator_settings: AllocatorSettings
+    top_allocations: tuple[Allocation, ...]
+    device_trace_summary: TraceSummary | None
+    advice: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "reserved_bytes": self.reserved_bytes,
+            "allocated_bytes": self.allocated_bytes,
+            "requested_bytes": self.requested_bytes,
+            "pending_free_bytes": self.pending_free_bytes,
+            "free_bytes": self.free_bytes,
+            "largest_free_block_bytes": self.largest_free_block_bytes,
+            "inactive_split_bytes": self.inactive_split_bytes,
+            "fragmentation_ratio": self.fragmentation_ratio,
+            "num_segments": self.num_segments,
+            "num_blocks": self.num_blocks,
+            "devices": list(self.devices),
+            "segments_by_pool": {p.pool: p.to_dict() for p in self.segments_by_pool},
+            "expandable_segments": self.expandable_segments,
+            "allocator_settings": self.allocator_settings.to_dict(),
+            "top_allocations": [a.to_dict() for a in self.top_allocations],
+            "device_trace_summary": (
+                None if self.device_trace_summary is None else self.device_trace_summary.to_dict()
+            ),
+            "advice": list(self.advice),
+        }
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class _PlainDataUnpickler(pickle.Unpickler):
+    """Unpickler that resolves no globals and no persistent ids."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise ValueError(
+            f"refusing to load {module}.{name} from snapshot: only plain data is allowed"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise ValueError(
+            "refusing to load a persistent id from snapshot: only plain data is allowed"
+        )
+
+
+def _unpickle(stream: BinaryIO) -> object:
+    try:
+        return _PlainDataUnpickler(stream).load()
+    except ValueError as exc:
+        if str(exc).startswith("refusing to load"):
+            raise
+        raise ValueError(f"not a CUDA memory snapshot: {_one_line(exc)}; {_HOW_TO_WRITE}") from exc
+    except MemoryError as exc:
+        # The C unpickler allocates a bytes/bytearray of the *declared* length before
+        # reading it, so a corrupt length field shows up here rather than as truncation.
+        raise ValueError(
+            "not a CUDA memory snapshot: a length field asks for more memory than is available "
+            f"(corrupt file, or too large for this machine); {_HOW_TO_WRITE}"
+        ) from exc
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        UnicodeDecodeError,
+        TypeError,
+        KeyError,
+        IndexError,
+        AttributeError,
+        OverflowError,
+        RecursionError,
+        ImportError,
+    ) as exc:
+        raise ValueError(
+            f"not a CUDA memory snapshot: {type(exc).__name__}: {_one_line(exc)}; {_HOW_TO_WRITE}"
+        ) from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:200] or type(exc).__name__
+
+
+def load_snapshot_bytes(data: bytes) -> SnapshotReport:
+    """Analyse a snapshot given as the raw bytes of its pickle."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ValueError(f"snapshot data must be bytes, got {type(data).__name__}")
+    if len(data) == 0:
+        raise ValueError(f"not a CUDA memory snapshot: the data is empty; {_HOW_TO_WRITE}")
+    return analyze_snapshot(_unpickle(io.BytesIO(bytes(data))))
+
+
+def read_snapshot(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> SnapshotReport:
+    """Read and analyse a snapshot file written by ``torch.cuda.memory._dump_snapshot``."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"snapshot file {str(p)!r} does not exist; check the path")
+    size = p.stat().st_size
+    if size == 0:
+        raise ValueError(f"not a CUDA memory snapshot: {str(p)!r} is empty; {_HOW_TO_WRITE}")
+    if size > max_bytes:
+        raise ValueError(
+            f"snapshot file {str(p)!r} is {size} bytes, over the {max_bytes}-byte limit; "
+            "pass a larger max_bytes or record fewer entries (max_entries=...)"
+        )
+    with p.open("rb") as f:
+        data = _unpickle(f)
+    return analyze_snapshot(data)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _field(d: dict, key: str, where: str) -> Any:
+    if key not in d:
+        raise ValueError(f"{where} lacks {key!r}; is this a CUDA memory snapshot?")
+    return d[key]
+
+
+def _as_size(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"{where} must be a non-negative int, got {type(value).__name__}; "
+            "is this a CUDA memory snapshot?"
+        )
+    return value
+
+
+def _as_list(value: Any, where: str) -> list:
+    if not isinstance(value, list):
+        raise ValueError(
+            f"{where} must be a list, got {type(value).__name__}; is this a CUDA memory snapshot?"
+        )
+    return value
+
+
+def _as_dict(value: Any, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{where} must be a dict, got {type(value).__name__}; is this a CUDA memory snapshot?"
+        )
+    return value
+
+
+def _as_str(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(
+            f"{where} must be a str, got {type(value).__name__}; is this a CUDA memory snapshot?"
+        )
+    return value
+
+
+# --------------------------------------------------------------------------- analysis
+
+
+@dataclass(frozen=True)
+class _Block:
+    size: int
+    requested: int
+    state: str  # "allocated" | "pending_free" | "inactive"
+    frames: Any  # raw frames list, formatted lazily (only for top allocations)
+    where: str
+
+
+def _parse_block(raw: Any, where: str) -> _Block:
+    b = _as_dict(raw, where)
+    size = _as_size(_field(b, "size", where), f"{where}.size")
+    state_raw = _as_str(_field(b, "state", where), f"{where}.state")
+    if state_raw not in _BLOCK_STATES:
+        raise ValueError(
+            f"{where}.state is {state_raw[:40]!r}, expected one of "
+            "'active_allocated', 'active_pending_free', 'inactive'; is this a CUDA memory snapshot?"
+        )
+    frames: Any = b.get("frames")
+    requested: int | None = None
+    if "requested_size" in b:
+        requested = _as_size(b["requested_size"], f"{where}.requested_size")
+    if "history" in b:  # legacy blocks: history[0] is the allocation living in the block
+        history = _as_list(b["history"], f"{where}.history")
+        if history:
+            h0 = _as_dict(history[0], f"{where}.history[0]")
+            if requested is None and "real_size" in h0:
+                requested = _as_size(h0["real_size"], f"{where}.history[0].real_size")
+            if frames is None:
+                frames = h0.get("frames")
+    return _Block(
+        size=size,
+        requested=size if requested is None else requested,
+        state=_BLOCK_STATES[state_raw],
+        frames=frames,
+        where=where,
+    )
+
+
+def _keep_frame(name: str, filename: str) -> bool:
+    return not any(o in name for o in _OMIT_FUNCTIONS) and not any(
+        o in filename for o in _OMIT_FILENAMES
+    )
+
+
+def _format_frames(raw: Any, where: str) -> tuple[str, ...]:
+    """Format frames as ``file.py:12:fn``; prefer Python frames when there are any."""
+    if raw is None:
+        return ()
+    frames = _as_list(raw, f"{where}.frames")
+    parsed: list[tuple[str, int, str]] = []
+    for i, f in enumerate(frames):
+        fw = f"{where}.frames[{i}]"
+        fd = _as_dict(f, fw)
+        filename = _as_str(_field(fd, "filename", fw), f"{fw}.filename")
+        name = _as_str(_field(fd, "name", fw), f"{fw}.name")
+        line = fd.get("line", 0)
+        if isinstance(line, bool) or not isinstance(line, int):
+            raise ValueError(f"{fw}.line must be an int, got {type(line).__name__}")
+        if _keep_frame(name, filename):
+            parsed.append((filename, line, name))
+    python = [f for f in parsed if f[0].endswith(".py")]
+    chosen = python or parsed
+    return tuple(f"{fn.split('/')[-1]}:{ln}:{nm}" for fn, ln, nm in chosen[:MAX_FRAMES])
+
+
+_CONF_BOOL = re.compile(r"(?:^|,)\s*expandable_segments\s*:\s*(\w+)", re.IGNORECASE)
+_CONF_SPLIT = re.compile(r"(?:^|,)\s*max_split_size_mb\s*:\s*(\d+)")
+_CONF_GC = re.compile(r"(?:^|,)\s*garbage_collection_threshold\s*:\s*([0-9.]+)")
+
+
+def _parse_settings(raw: Any) -> AllocatorSettings:
+    if raw is None:
+        return AllocatorSettings(None, None, None, None)
+    s = _as_dict(raw, "allocator_settings")
+    conf = s.get("PYTORCH_CUDA_ALLOC_CONF")
+    if conf is not None:
+        conf = _as_str(conf, "allocator_settings.PYTORCH_CUDA_ALLOC_CONF")
+
+    expandable: bool | None = None
+    if "expandable_segments" in s:
+        v = s["expandable_segments"]
+        if not isinstance(v, bool):
+            raise ValueError(
+                f"allocator_settings.expandable_segments must be a bool, got {type(v).__name__}"
+            )
+        expandable = v
+    elif conf and (m := _CONF_BOOL.search(conf)):
+        expandable = m.group(1).lower() == "true"
+
+    max_split: int | None = None
+    if "max_split_size" in s:
+        v = s["max_split_size"]
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(
+                f"allocator_settings.max_split_size must be an int, got {type(v).__name__}"
+            )
+        # Unset is SIZE_MAX, which the snapshot stores cast to int64 (-1).
+        max_split = v if 0 < v < 2**62 else None
+    elif conf and (m := _CONF_SPLIT.search(conf)):
+        max_split = int(m.group(1)) * 1024**2
+
+    gc: float | None = None
+    if "garbage_collection_threshold" in s:
+        v = s["garbage_collection_threshold"]
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(
+                "allocator_settings.garbage_collection_threshold must be a number, "
+                f"got {type(v).__name__}"
+            )
+        gc = float(v) if v > 0 else None
+    elif conf and (m := _CONF_GC.search(conf)):
+        try:
+            gc = float(m.group(1)) or None
+        except ValueError as exc:
+            raise ValueError(
+                f"allocator_settings.PYTORCH_CUDA_ALLOC_CONF has a bad "
+                f"garbage_collection_threshold {m.group(1)!r}"
+            ) from exc
+    return AllocatorSettings(conf, expandable, max_split, gc)
+
+
+def _summarize_traces(raw: Any) -> TraceSummary | None:
+    if raw is None:
+        return None
+    traces = _as_list(raw, "device_traces")
+    counts: dict[str, int] = {}
+    n = 0
+    last_oom_size: int | None = None
+    last_oom_free: int | None = None
+    for d, trace in enumerate(traces):
+        for i, entry in enumerate(_as_list(trace, f"device_traces[{d}]")):
+            where = f"device_traces[{d}][{i}]"
+            e = _as_dict(entry, where)
+            action = _as_str(_field(e, "action", where), f"{where}.action")
+            counts[action] = counts.get(action, 0) + 1
+            n += 1
+            if action == "oom":
+                last_oom_size = (
+                    _as_size(e["size"], f"{where}.size") if "size" in e else None
+                )
+                last_oom_free = (
+                    _as_size(e["device_free"], f"{where}.device_free")
+                    if "device_free" in e
+                    else None
+                )
+    return TraceSummary(
+        num_entries=n,
+        counts=tuple(sorted(counts.items())),
+        has_oom="oom" in counts,
+        last_oom_requested_bytes=last_oom_size,
+        last_oom_device_free_bytes=last_oom_free,
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 1024**2:.1f} MiB"
+
+
+def _advice(
+    *,
+    reserved: int,
+    free: int,
+    largest_free: int,
+    split: int,
+    ratio: float,
+    expandable: bool,
+    settings: AllocatorSettings,
+    traces: TraceSummary | None,
+) -> tuple[str, ...]:
+    out: list[str] = []
+    fragmented = (
+        reserved > 0 and free >= FREE_SHARE_NOTABLE * reserved and ratio >= FRAGMENTATION_RATIO_HIGH
+    )
+    split_heavy = reserved > 0 and split >= SPLIT_SHARE_HIGH * reserved
+    if fragmented and not expandable:
+        out.append(
+            f"free cached memory is fragmented ({_mib(free)} free, largest block "
+            f"{_mib(largest_free)}, ratio {ratio:.2f}): set "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True so segments grow instead of splitting"
+        )
+    if split_heavy and not expandable:
+        alt = (
+            "lower max_split_size_mb"
+            if settings.max_split_size_bytes is not None
+            else "set max_split_size_mb:<MiB> to stop large blocks from being split"
+        )
+        out.append(
+            f"{_mib(split)} is free but stuck inside partly used segments: use "
+            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or {alt}"
+        )
+    if expandable and (
+        settings.max_split_size_bytes is not None or settings.garbage_collection_threshold
+    ):
+        out.append(
+            "expandable_segments:True is combined with max_split_size_mb or "
+            "garbage_collection_threshold: they are rarely needed with expandable segments and "
+            "before PyTorch 2.5 the combination could assert near OOM (pytorch#134338); drop them"
+        )
+    if settings.garbage_collection_threshold:
+        out.append(
+            "garbage_collection_threshold only acts when a memory fraction is set: call "
+            "torch.cuda.set_per_process_memory_fraction(...) or drop the option"
+        )
+    if traces is not None and traces.has_oom and not expandable and (fragmented or split_heavy):
+        out.append(
+            "the trace records an OOM while cached memory was fragmented: "
+            "expandable_segments:True is the first thing to try"
+        )
+    return tuple(out)
+
+
+def analyze_snapshot(data: object) -> SnapshotReport:
+    """Analyse an already-loaded snapshot (current dict layout or legacy segment list)."""
+    if isinstance(data, dict):
+        fmt = "current"
+        segments_raw = _as_list(_field(data, "segments", "snapshot"), "snapshot.segments")
+        settings = _parse_settings(data.get("allocator_settings"))
+        traces = _summarize_traces(data.get("device_traces"))
+    elif isinstance(data, list):
+        fmt = "legacy"
+        segments_raw = data
+        settings = AllocatorSettings(None, None, None, None)
+        traces = None
+    else:
+        raise ValueError(
+            f"not a CUDA memory snapshot: top level is {type(data).__name__}, expected a dict "
+            f"with 'segments' or a list of segments; {_HOW_TO_WRITE}"
+        )
+
+    reserved = allocated = requested = pending = free = largest_free = split = 0
+    num_blocks = 0
+    devices: set[int] = set()
+    any_expandable_segment = False
+    pools: dict[str, list[int]] = {}  # pool -> [segments, reserved, allocated, free]
+    live: list[_Block] = []
+
+    for si, seg_raw in enumerate(segments_raw):
+        where = f"segments[{si}]"
+        seg = _as_dict(seg_raw, where)
+        total = _as_size(_field(seg, "total_size", where), f"{where}.total_size")
+        blocks_raw = _as_list(_field(seg, "blocks", where), f"{where}.blocks")
+        pool = seg.get("segment_type", "unknown")
+        pool = _as_str(pool, f"{where}.segment_type")
+        if "device" in seg:
+            devices.add(_as_size(seg["device"], f"{where}.device"))
+        if "is_expandable" in seg:
+            flag = seg["is_expandable"]
+            if not isinstance(flag, bool):
+                raise ValueError(
+                    f"{where}.is_expandable must be a bool, got {type(flag).__name__}"
+                )
+            any_expandable_segment |= flag
+
+        blocks = [_parse_block(b, f"{where}.blocks[{bi}]") for bi, b in enumerate(blocks_raw)]
+        seg_alloc = sum(b.size for b in blocks if b.state == "allocated")
+        seg_free = sum(b.size for b in blocks if b.state == "inactive")
+        seg_used = any(b.state != "inactive" for b in blocks)
+
+        reserved += total
+        allocated += seg_alloc
+        free += seg_free
+        pending += sum(b.size for b in blocks if b.state == "pending_free")
+        requested += sum(b.requested for b in blocks if b.state == "allocated")
+        largest_free = max([largest_free] + [b.size for b in blocks if b.state == "inactive"])
+        if seg_used:
+            split += seg_free
+        num_blocks += len(blocks)
+        live.extend(b for b in blocks if b.state == "allocated")
+
+        acc = pools.setdefault(pool, [0, 0, 0, 0])
+        acc[0] += 1
+        acc[1] += total
+        acc[2] += seg_alloc
+        acc[3] += seg_free
+
+    ratio = 0.0 if free == 0 else 1.0 - largest_free / free
+
+    expandable = (
+        settings.expandable_segments
+        if settings.expandable_segments is not None
+        else any_expandable_segment
+    )
+    live.sort(key=lambda b: (-b.size, -b.requested))
+    top = tuple(
+        Allocation(b.size, b.requested, _format_frames(b.frames, b.where))
+        for b in live[:TOP_ALLOCATIONS]
+    )
+    by_pool = tuple(
+        PoolSummary(pool, *acc) for pool, acc in sorted(pools.items())
+    )
+    return SnapshotReport(
+        format=fmt,
+        reserved_bytes=reserved,
+        allocated_bytes=allocated,
+        requested_bytes=requested,
+        pending_free_bytes=pending,
+        free_bytes=free,
+        largest_free_block_bytes=largest_free,
+        inactive_split_bytes=split,
+        fragmentation_ratio=ratio,
+        num_segments=len(segments_raw),
+        num_blocks=num_blocks,
+        devices=tuple(sorted(devices)),
+        segments_by_pool=by_pool,
+        expandable_segments=expandable,
+        allocator_settings=settings,
+        top_allocations=top,
+        device_trace_summary=traces,
+        advice=_advice(
+            reserved=reserved,
+            free=free,
+            largest_free=largest_free,
+            split=split,
+            ratio=ratio,
+            expandable=expandable,
+            settings=settings,
+            traces=traces,
+        ),
+    )
