@@ -7,7 +7,7 @@ from typing import Sequence
 
 from planner.graph import CATEGORIES
 
-__all__ = ["format_bytes", "parse_bytes", "table", "timeline_table", "plot_timeline", "plot_sweep"]
+__all__ = ["format_bytes", "format_count", "parse_bytes", "table", "timeline_table", "plot_timeline", "plot_sweep"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -22,6 +22,14 @@ def format_bytes(n: float) -> str:
             return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def format_count(n: int) -> str:
+    """124439808 -> '124.44M'."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix}"
+    return str(n)
 
 
 def parse_bytes(text: str) -> int:
@@ -65,7 +73,7 @@ def timeline_table(result: dict, capacity_bytes: int | None = None) -> str:
         "",
         "model states per device: " + ", ".join(
             f"{k} {format_bytes(v)}" for k, v in result["model_states"].items())
-        + f"; {result['num_parameters'] / 1e9:.3f}B parameters",
+        + f"; {format_count(result['num_parameters'])} parameters",
     ]
     if capacity_bytes:
         free = capacity_bytes - result["peak_bytes"]

@@ -26,9 +26,10 @@ from __future__ import annotations
 import io
 import pickle
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 __all__ = [
     "Allocation",
@@ -218,8 +219,61 @@ class SnapshotReport:
 # --------------------------------------------------------------------------- loading
 
 
-class _PlainDataUnpickler(pickle.Unpickler):
-    """Unpickler that resolves no globals and no persistent ids."""
+# Opcodes that build plain data: scalars, str/bytes, list/tuple/dict/set, memo, framing.
+_PLAIN_OPCODES = frozenset(
+    """PROTO FRAME STOP MARK POP POP_MARK DUP NONE NEWTRUE NEWFALSE
+    INT BININT BININT1 BININT2 LONG LONG1 LONG4 FLOAT BINFLOAT
+    STRING BINSTRING SHORT_BINSTRING BINBYTES SHORT_BINBYTES BINBYTES8 BYTEARRAY8
+    UNICODE SHORT_BINUNICODE BINUNICODE BINUNICODE8
+    EMPTY_LIST APPEND APPENDS LIST EMPTY_TUPLE TUPLE TUPLE1 TUPLE2 TUPLE3
+    EMPTY_DICT DICT SETITEM SETITEMS EMPTY_SET ADDITEMS FROZENSET
+    GET BINGET LONG_BINGET PUT BINPUT LONG_BINPUT MEMOIZE""".split()
+)
+# Opcodes whose loaders only look names up through find_class/persistent_load (refused there).
+_LOOKUP_OPCODES = frozenset({"GLOBAL", "STACK_GLOBAL", "INST", "PERSID", "BINPERSID"})
+
+
+def _refuse_opcode(name: str) -> Any:
+    def refuse(self: pickle._Unpickler) -> None:
+        raise ValueError(
+            f"refusing to load pickle opcode {name} from snapshot: only plain data is allowed"
+        )
+
+    return refuse
+
+
+class _OpcodeTable(dict):
+    def __missing__(self, key: int) -> Any:
+        raise pickle.UnpicklingError(f"invalid pickle opcode {key:#04x}")
+
+
+def _build_dispatch() -> _OpcodeTable:
+    table = _OpcodeTable()
+    base = pickle._Unpickler.dispatch  # type: ignore[attr-defined]
+    for name in dir(pickle):
+        code = getattr(pickle, name)
+        if not (name.isupper() and isinstance(code, bytes) and len(code) == 1):
+            continue
+        if code[0] not in base:
+            continue
+        if name in _PLAIN_OPCODES or name in _LOOKUP_OPCODES:
+            table[code[0]] = base[code[0]]
+        else:  # REDUCE, BUILD, OBJ, NEWOBJ(_EX), EXT1/2/4, NEXT_BUFFER, READONLY_BUFFER, ...
+            table[code[0]] = _refuse_opcode(name)
+    return table
+
+
+class _PlainDataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+    """Pure-Python unpickler that builds plain data only.
+
+    The pure-Python implementation is used on purpose: its memo is a dict, so a
+    hostile ``LONG_BINPUT 4000000000`` cannot make it allocate a huge memo array
+    as the C unpickler does, and its opcode table can be whitelisted. Globals,
+    persistent ids, ``REDUCE``/``BUILD``/``NEWOBJ`` and extension codes (which can
+    hit ``copyreg``'s process-wide cache without ``find_class``) are all refused.
+    """
+
+    dispatch = _build_dispatch()
 
     def find_class(self, module: str, name: str) -> Any:
         raise ValueError(
@@ -232,31 +286,22 @@ class _PlainDataUnpickler(pickle.Unpickler):
         )
 
 
-def _unpickle(stream: BinaryIO) -> object:
+def _unpickle(data: bytes) -> object:
     try:
-        return _PlainDataUnpickler(stream).load()
+        return _PlainDataUnpickler(io.BytesIO(data)).load()
     except ValueError as exc:
         if str(exc).startswith("refusing to load"):
             raise
         raise ValueError(f"not a CUDA memory snapshot: {_one_line(exc)}; {_HOW_TO_WRITE}") from exc
-    except MemoryError as exc:
-        # The C unpickler allocates a bytes/bytearray of the *declared* length before
-        # reading it, so a corrupt length field shows up here rather than as truncation.
-        raise ValueError(
-            "not a CUDA memory snapshot: a length field asks for more memory than is available "
-            f"(corrupt file, or too large for this machine); {_HOW_TO_WRITE}"
-        ) from exc
     except (
         pickle.UnpicklingError,
         EOFError,
-        UnicodeDecodeError,
         TypeError,
         KeyError,
         IndexError,
         AttributeError,
         OverflowError,
-        RecursionError,
-        ImportError,
+        struct.error,
     ) as exc:
         raise ValueError(
             f"not a CUDA memory snapshot: {type(exc).__name__}: {_one_line(exc)}; {_HOW_TO_WRITE}"
@@ -274,7 +319,7 @@ def load_snapshot_bytes(data: bytes) -> SnapshotReport:
         raise ValueError(f"snapshot data must be bytes, got {type(data).__name__}")
     if len(data) == 0:
         raise ValueError(f"not a CUDA memory snapshot: the data is empty; {_HOW_TO_WRITE}")
-    return analyze_snapshot(_unpickle(io.BytesIO(bytes(data))))
+    return analyze_snapshot(_unpickle(bytes(data)))
 
 
 def read_snapshot(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> SnapshotReport:
@@ -290,9 +335,7 @@ def read_snapshot(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Sn
             f"snapshot file {str(p)!r} is {size} bytes, over the {max_bytes}-byte limit; "
             "pass a larger max_bytes or record fewer entries (max_entries=...)"
         )
-    with p.open("rb") as f:
-        data = _unpickle(f)
-    return analyze_snapshot(data)
+    return analyze_snapshot(_unpickle(p.read_bytes()))
 
 
 # --------------------------------------------------------------------------- validation
