@@ -324,5 +324,7 @@ def _judge(
             f"{outside / total:.0%} of the GPU) is what leaves too little for this request"
         )
         return "other-process", lines
-    lines.append("PyTorch's own allocations fill the GPU: the job needs less memory or a larger GPU")
+    lines.append(
+        "PyTorch's own allocations fill the GPU: the job needs less memory or a larger GPU"
+    )
     return "capacity", lines

@@ -1,8 +1,11 @@
 """Safe reader and analyser for CUDA caching-allocator memory snapshots.
 
 Reads the pickle written by ``torch.cuda.memory._dump_snapshot(path)`` without
-executing anything: the unpickler refuses every global and persistent id, so
-only plain data (dict/list/tuple/str/int/float/bool/None) can be loaded.
+executing anything: a whitelisting pure-Python unpickler refuses every global,
+persistent id and object-building opcode, so only plain data (dict/list/tuple/
+set/str/bytes/int/float/bool/None) can be loaded. It is about 5x slower than
+``pickle.loads`` (roughly 2-3 s per 25 MB) in exchange for bounded memory on
+hostile input.
 
 Layout (``torch.cuda.memory._snapshot()``, torch >= 2.1)::
 
@@ -233,13 +236,26 @@ _PLAIN_OPCODES = frozenset(
 _LOOKUP_OPCODES = frozenset({"GLOBAL", "STACK_GLOBAL", "INST", "PERSID", "BINPERSID"})
 
 
+class _Refused(ValueError):
+    """Raised for pickle content that could run code; passed through unchanged."""
+
+
 def _refuse_opcode(name: str) -> Any:
     def refuse(self: pickle._Unpickler) -> None:
-        raise ValueError(
+        raise _Refused(
             f"refusing to load pickle opcode {name} from snapshot: only plain data is allowed"
         )
 
     return refuse
+
+
+def _load_bytearray8(self: pickle._Unpickler) -> None:
+    # pickle._Unpickler pre-allocates (and zero-fills) the declared length; read first.
+    (n,) = struct.unpack("<Q", self.read(8))
+    data = self.read(n)
+    if len(data) != n:
+        raise pickle.UnpicklingError("pickle data was truncated")
+    self.append(bytearray(data))
 
 
 class _OpcodeTable(dict):
@@ -260,6 +276,7 @@ def _build_dispatch() -> _OpcodeTable:
             table[code[0]] = base[code[0]]
         else:  # REDUCE, BUILD, OBJ, NEWOBJ(_EX), EXT1/2/4, NEXT_BUFFER, READONLY_BUFFER, ...
             table[code[0]] = _refuse_opcode(name)
+    table[pickle.BYTEARRAY8[0]] = _load_bytearray8
     return table
 
 
@@ -276,12 +293,12 @@ class _PlainDataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     dispatch = _build_dispatch()
 
     def find_class(self, module: str, name: str) -> Any:
-        raise ValueError(
+        raise _Refused(
             f"refusing to load {module}.{name} from snapshot: only plain data is allowed"
         )
 
     def persistent_load(self, pid: Any) -> Any:
-        raise ValueError(
+        raise _Refused(
             "refusing to load a persistent id from snapshot: only plain data is allowed"
         )
 
@@ -289,9 +306,9 @@ class _PlainDataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 def _unpickle(data: bytes) -> object:
     try:
         return _PlainDataUnpickler(io.BytesIO(data)).load()
+    except _Refused:
+        raise
     except ValueError as exc:
-        if str(exc).startswith("refusing to load"):
-            raise
         raise ValueError(f"not a CUDA memory snapshot: {_one_line(exc)}; {_HOW_TO_WRITE}") from exc
     except (
         pickle.UnpicklingError,
@@ -378,6 +395,18 @@ def _as_str(value: Any, where: str) -> str:
             f"{where} must be a str, got {type(value).__name__}; is this a CUDA memory snapshot?"
         )
     return value
+
+
+def _claim(obj: object, seen: set[int], where: str) -> None:
+    """Refuse a container listed twice: shared references would multiply the work."""
+    if not isinstance(obj, (dict, list)):
+        return
+    if id(obj) in seen:
+        raise ValueError(
+            f"{where} repeats an object listed earlier; snapshots never share segments, "
+            "blocks or traces, so this file is malformed"
+        )
+    seen.add(id(obj))
 
 
 # --------------------------------------------------------------------------- analysis
@@ -513,10 +542,13 @@ def _summarize_traces(raw: Any) -> TraceSummary | None:
     n = 0
     last_oom_size: int | None = None
     last_oom_free: int | None = None
+    seen: set[int] = set()
     for d, trace in enumerate(traces):
-        for i, entry in enumerate(_as_list(trace, f"device_traces[{d}]")):
+        _claim(_as_list(trace, f"device_traces[{d}]"), seen, f"device_traces[{d}]")
+        for i, entry in enumerate(trace):
             where = f"device_traces[{d}][{i}]"
             e = _as_dict(entry, where)
+            _claim(e, seen, where)
             action = _as_str(_field(e, "action", where), f"{where}.action")
             counts[action] = counts.get(action, 0) + 1
             n += 1
@@ -619,12 +651,17 @@ def analyze_snapshot(data: object) -> SnapshotReport:
     any_expandable_segment = False
     pools: dict[str, list[int]] = {}  # pool -> [segments, reserved, allocated, free]
     live: list[_Block] = []
+    seen: set[int] = set()
 
     for si, seg_raw in enumerate(segments_raw):
         where = f"segments[{si}]"
         seg = _as_dict(seg_raw, where)
+        _claim(seg, seen, where)
         total = _as_size(_field(seg, "total_size", where), f"{where}.total_size")
         blocks_raw = _as_list(_field(seg, "blocks", where), f"{where}.blocks")
+        _claim(blocks_raw, seen, f"{where}.blocks")
+        for bi, b in enumerate(blocks_raw):
+            _claim(b, seen, f"{where}.blocks[{bi}]")
         pool = seg.get("segment_type", "unknown")
         pool = _as_str(pool, f"{where}.segment_type")
         if "device" in seg:
