@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 from costmodels.flops import op_bytes_accessed, op_flops
 from costmodels.memory import get_precision
 from planner.graph import OpGraph, OpNode, Region, TensorInfo
+from planner.plan import model_fingerprint
 from planner.regions import find_region_paths, module_signature
 from planner.spec import ModelSpec, SpecError, resolve_spec
 
@@ -95,11 +96,12 @@ class _Storage:
 class _Recorder(TorchDispatchMode):
     """Records aten ops and storage lifetimes; module paths come from a ModTracker."""
 
-    def __init__(self, tracker: ModTracker, root_name: str, with_costs: bool) -> None:
+    def __init__(self, model: nn.Module, with_costs: bool) -> None:
         super().__init__()
-        self.tracker = tracker
-        self.root_prefix = root_name + "."
-        self.root_name = root_name
+        self.fqn = {id(m): name for name, m in model.named_modules()}
+        self.active: list[str] = []  # modules entered and not yet left, innermost last
+        self.tracker = ModTracker()
+        self.tracker.register_user_hooks(self._enter, self._leave, self._enter, self._leave)
         self.with_costs = with_costs
         self.ops: list[OpNode] = []
         self.storages: dict[int, _Storage] = {}
@@ -136,11 +138,21 @@ class _Recorder(TorchDispatchMode):
         weakref.finalize(st, self._on_free, key, tid)
         return tid, True
 
+    # -- module attribution (forward and backward hooks of a ModTracker) ---------------------
+    def _enter(self, module: nn.Module, *_) -> None:
+        self.active.append(self.fqn.get(id(module), ""))
+
+    def _leave(self, module: nn.Module, *_) -> None:
+        name = self.fqn.get(id(module), "")
+        for k in range(len(self.active) - 1, -1, -1):
+            if self.active[k] == name:
+                del self.active[k]
+                return
+
     def module_path(self) -> str:
-        deepest = max(self.tracker.parents, key=lambda n: n.count("."))
-        if deepest.startswith(self.root_prefix):
-            return deepest[len(self.root_prefix):]
-        return ""
+        """The innermost module running now. In backward a module whose inputs need no grad
+        (an embedding) is never left, so the most recently entered one wins."""
+        return self.active[-1] if self.active else ""
 
     # -- dispatch -----------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -202,6 +214,7 @@ def _run(model, inputs, rec: _Recorder, precision: str, spec_name: str,
             backward_start = len(rec.ops)
             if backward:
                 rec.phase = "backward"
+                rec.active.clear()
                 loss.backward()
     except (TraceError, SpecError):
         raise
@@ -240,7 +253,6 @@ def _regions(model: nn.Module, ops: list[OpNode], backward_start: int,
 def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp32",
                 name: str = "model") -> OpGraph:
     """Trace a model whose parameters and inputs are fake tensors of the active FakeTensorMode."""
-    root_name = type(model).__name__
     params = [p for p in model.parameters()]
     param_dtype = str(params[0].dtype).replace("torch.", "") if params else "float32"
 
@@ -248,12 +260,12 @@ def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp3
         return sum(_as_int(p.untyped_storage().nbytes(), "a parameter") for p in m.parameters())
 
     # Pass 2 first: natural lifetimes of forward storages when nothing is saved.
-    natural = _Recorder(ModTracker(), root_name, with_costs=False)
+    natural = _Recorder(model, with_costs=False)
     _register_preexisting(natural, model, inputs)
     _run(model, inputs, natural, precision, name, (lambda t: None, _no_unpack), backward=False)
     natural_free_by_key = _free_by_alloc_key(natural)
 
-    rec = _Recorder(ModTracker(), root_name, with_costs=True)
+    rec = _Recorder(model, with_costs=True)
     categories = _register_preexisting(rec, model, inputs)
     saved_by: dict[int, list[int]] = defaultdict(list)
 
@@ -299,7 +311,9 @@ def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp3
         ops=ops, tensors=tensors, regions=_regions(model, ops, backward_start, param_bytes_of),
         backward_start=backward_start,
         param_shapes=[tuple(_as_int(d, "a parameter") for d in p.shape) for p in params],
-        param_dtype=param_dtype, meta={"model": name, "precision": precision},
+        param_dtype=param_dtype,
+        meta={"model": name, "precision": precision, "fingerprint": model_fingerprint(model),
+              "num_modules": sum(1 for _ in model.modules())},
     )
 
 

@@ -1,0 +1,341 @@
+"""Apply a memory plan to a real model: checkpoint, selectively checkpoint or offload modules.
+
+`apply_plan` replaces the `forward` of every module a plan names with a wrapper (an instance
+attribute) that runs the original forward under `torch.utils.checkpoint` (recompute) or under
+saved-tensor hooks that move what autograd saves to host memory or disk (offload). The returned
+:class:`PlanHandle` restores the model. A :class:`PlanLadder` installs wrappers for every module
+any bucket names; a forward pre-hook on the root picks the bucket from the batch's sequence length
+and each wrapper decides at call time, so a checkpoint's recompute reuses the forward's choice.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import shutil
+import tempfile
+import warnings
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from planner.plan import Plan, PlanLadder, check_plan_matches, load_plan
+
+__all__ = ["ModulePlan", "PlanHandle", "apply_plan", "returns_tensor", "batch_seq_len"]
+
+SPILL_PREFIX = "memplan-spill-"
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """What one module's forward does under one plan: keep, recompute (keeping `keep_ops`) or offload."""
+
+    action: str
+    target: str | None = None
+    keep_ops: frozenset[str] = frozenset()
+
+
+def returns_tensor(func: Any) -> bool:
+    """Whether an op overload's schema returns at least one Tensor (how memplan's trace names ops)."""
+    return any("Tensor" in str(r.type) for r in func._schema.returns)
+
+
+def module_plans(plan: Plan) -> dict[str, ModulePlan]:
+    """Module path -> ModulePlan for the whole-module decisions of `plan` that change anything.
+
+    Op-level decisions other than "keep" mean "recompute", as in planner.schedule.
+    """
+    out: dict[str, ModulePlan] = {}
+    for d in plan.decisions:
+        if d.op is not None or d.action == "keep":
+            continue
+        keep = frozenset(op for op, od in plan.op_decisions(d.module).items() if od.action == "keep")
+        out[d.module] = ModulePlan(d.action, d.target, keep if d.action == "recompute" else frozenset())
+    return out
+
+
+# ---------------------------------------------------------------- selective checkpointing
+
+
+class _KeepPolicy:
+    """SAC policy: MUST_SAVE for the kept `op#k` occurrences; counters start at 0 for each pass."""
+
+    def __init__(self, keep_ops: frozenset[str]) -> None:
+        self.keep_ops = keep_ops
+        self.counts: dict[bool, dict[str, int]] = {False: defaultdict(int), True: defaultdict(int)}
+
+    def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if not returns_tensor(func):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        counts = self.counts[bool(ctx.is_recompute)]
+        name = str(func)
+        key = f"{name}#{counts[name]}"
+        counts[name] += 1
+        return CheckpointPolicy.MUST_SAVE if key in self.keep_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context_fn(keep_ops: frozenset[str]) -> Callable[[], tuple[Any, Any]]:
+    """A checkpoint `context_fn` that builds a fresh policy (fresh counters) per checkpoint call."""
+
+    def context_fn() -> tuple[Any, Any]:
+        return create_selective_checkpoint_contexts(_KeepPolicy(keep_ops))
+
+    return context_fn
+
+
+# ---------------------------------------------------------------- offload
+
+
+def _storage_ptrs(tensors: Iterable[Any]) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
+
+
+class _Spilled:
+    """A saved tensor written to one raw file; the file goes when this record is read or freed."""
+
+    def __init__(self, path: Path, t: torch.Tensor) -> None:
+        self.path = path
+        self.dtype = t.dtype
+        self.shape = tuple(t.shape)
+        self.device = t.device
+        self.layout = torch.empty_like(t, device="meta")  # keeps strides, costs nothing
+        t.detach().cpu().contiguous().view(torch.uint8).numpy().tofile(path)
+        self.cleanup = weakref.finalize(self, Path.unlink, path, True)
+
+    def load(self) -> torch.Tensor:
+        if not self.path.exists():
+            raise RuntimeError(f"spilled activation {self.path} is gone; keep the plan handle "
+                               "until backward has run (call remove() after the step)")
+        data = torch.from_numpy(np.fromfile(self.path, dtype=np.uint8))
+        self.cleanup()
+        flat = data.view(self.dtype).reshape(self.shape)
+        out = torch.empty_like(self.layout, device=self.device)
+        return out.copy_(flat)
+
+
+@dataclass(frozen=True)
+class _HostCopy:
+    """A saved CUDA tensor copied to pinned host memory on a side stream."""
+
+    host: torch.Tensor
+    event: Any
+    device: torch.device
+
+
+def _pack_cpu(t: torch.Tensor, stream: Any) -> Any:
+    if t.device.type != "cuda":
+        return t.clone()  # nothing to move to; the planner never plans this
+    host = torch.empty_like(t, device="cpu", pin_memory=True)
+    stream.wait_stream(torch.cuda.current_stream(t.device))
+    with torch.cuda.stream(stream):
+        host.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    t.record_stream(stream)
+    return _HostCopy(host, event, t.device)
+
+
+def _unpack_cpu(packed: Any) -> torch.Tensor:
+    if not isinstance(packed, _HostCopy):
+        return packed
+    torch.cuda.current_stream(packed.device).wait_event(packed.event)
+    return packed.host.to(packed.device, non_blocking=True)
+
+
+# ---------------------------------------------------------------- sequence length
+
+
+def batch_seq_len(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
+    """Size of dim 1 of the first tensor input (positional, then keyword) with at least 2 dims."""
+    for t in tree_leaves((list(args), list(kwargs.values()))):
+        if isinstance(t, torch.Tensor) and t.dim() >= 2:
+            return int(t.shape[1])
+    raise ValueError("cannot read the batch's sequence length for the plan ladder: pass a tensor "
+                     "with at least 2 dims (batch, seq, ...) to the model")
+
+
+# ---------------------------------------------------------------- the handle
+
+
+class PlanHandle:
+    """The applied plan: restores the model on remove() (idempotent); a context manager."""
+
+    def __init__(self, model: nn.Module, plans: Mapping[int, Plan], ladder: PlanLadder | None,
+                 spill_dir: str | Path | None) -> None:
+        self.model = model
+        self.ladder = ladder
+        self._by_bucket = {s: module_plans(p) for s, p in plans.items()}
+        first = next(iter(plans))
+        self.active_bucket: int | None = first if ladder is None else None
+        self.active_seq_len: int | None = None
+        self._active: dict[str, ModulePlan] = self._by_bucket[first] if ladder is None else {}
+        self._originals: dict[str, tuple[nn.Module, Any]] = {}  # path -> (module, own forward or None)
+        self._hooks: list[Any] = []
+        self._removed = False
+        self._stream: Any = None
+        self._spill_ids = itertools.count()
+        needs_disk = any(mp.target == "disk" for mps in self._by_bucket.values() for mp in mps.values())
+        self.spill_dir: Path | None = None
+        if needs_disk:
+            parent = None if spill_dir is None else Path(spill_dir)
+            if parent is not None:
+                parent.mkdir(parents=True, exist_ok=True)
+            self.spill_dir = Path(tempfile.mkdtemp(prefix=SPILL_PREFIX, dir=parent))
+
+    # -- installing -------------------------------------------------------------------
+    def _install(self) -> None:
+        paths = dict.fromkeys(p for mps in self._by_bucket.values() for p in mps)
+        for path in paths:
+            self._wrap(path, self.model.get_submodule(path))
+        if self.ladder is not None:
+            self._hooks.append(self.model.register_forward_pre_hook(self._select_bucket, with_kwargs=True))
+
+    def _wrap(self, path: str, module: nn.Module) -> None:
+        if getattr(module.forward, "_memplan_wrapper", False):
+            raise ValueError(f"module '{path}' already has a memplan plan applied; call remove() on "
+                             "its PlanHandle first")
+        own = module.__dict__.get("forward")
+        original = module.forward
+        self._originals[path] = (module, own)
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return self._run(path, original, args, kwargs)
+
+        forward._memplan_wrapper = True  # type: ignore[attr-defined]
+        module.forward = forward
+
+    def _select_bucket(self, module: nn.Module, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> None:
+        assert self.ladder is not None
+        seq_len = batch_seq_len(args, kwargs)
+        plan, beyond = self.ladder.plan_for(seq_len)
+        if beyond:
+            longest = self.ladder.buckets[-1][0]
+            warnings.warn(f"batch sequence length {seq_len} is longer than the ladder's longest "
+                          f"bucket {longest}; using that bucket's plan", stacklevel=2)
+        bucket = int(plan.config["seq_len"])
+        self.active_seq_len = seq_len
+        self.active_bucket = bucket
+        self._active = self._by_bucket[bucket]
+
+    # -- running ----------------------------------------------------------------------
+    def _run(self, path: str, original: Callable[..., Any], args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
+        mp = self._active.get(path)  # decided now; a checkpoint's recompute reuses this choice
+        if mp is None or mp.action == "keep":
+            return original(*args, **kwargs)
+        if mp.action == "recompute":
+            return self._recompute(original, mp, args, kwargs)
+        return self._offload(original, mp, args, kwargs)
+
+    @staticmethod
+    def _recompute(original: Callable[..., Any], mp: ModulePlan, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:
+        fn = functools.partial(original, **kwargs) if kwargs else original
+        if mp.keep_ops:
+            return checkpoint(fn, *args, use_reentrant=False,
+                              context_fn=selective_context_fn(mp.keep_ops))
+        return checkpoint(fn, *args, use_reentrant=False)
+
+    def _offload(self, original: Callable[..., Any], mp: ModulePlan, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+        stay = _storage_ptrs(itertools.chain(self.model.parameters(), self.model.buffers()))
+        stay |= _storage_ptrs(tree_leaves((list(args), list(kwargs.values()))))
+
+        def pack(t: torch.Tensor) -> Any:
+            if t.untyped_storage().data_ptr() in stay:
+                return t
+            if mp.target == "disk":
+                return _Spilled(self._spill_path(), t)
+            return _pack_cpu(t, self._side_stream(t))
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if isinstance(packed, _Spilled):
+                return packed.load()
+            if isinstance(packed, torch.Tensor):
+                return packed
+            return _unpack_cpu(packed)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return original(*args, **kwargs)
+
+    def _spill_path(self) -> Path:
+        if self._removed or self.spill_dir is None:
+            raise RuntimeError("this PlanHandle was removed; apply the plan again before training")
+        return self.spill_dir / f"{next(self._spill_ids)}.bin"
+
+    def _side_stream(self, t: torch.Tensor) -> Any:
+        if t.device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(t.device)
+        return self._stream
+
+    # -- removing ---------------------------------------------------------------------
+    def remove(self) -> None:
+        """Restore every module's forward, remove hooks and delete the spill directory."""
+        if self._removed:
+            return
+        self._removed = True
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for path, (module, own) in self._originals.items():
+            if not getattr(module.__dict__.get("forward"), "_memplan_wrapper", False):
+                warnings.warn(f"module '{path}'.forward was replaced after the plan was applied; "
+                              "leaving it as it is", stacklevel=2)
+                continue
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
+        self._originals.clear()
+        if self.spill_dir is not None and self.spill_dir.exists():
+            shutil.rmtree(self.spill_dir)
+
+    @property
+    def removed(self) -> bool:
+        return self._removed
+
+    def __enter__(self) -> PlanHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+def apply_plan(model: nn.Module, plan_or_path: Plan | PlanLadder | str | Path, *,
+               spill_dir: str | Path | None = None) -> PlanHandle:
+    """Make `model` follow a plan (or a ladder of plans); returns the handle that undoes it.
+
+    `spill_dir` is where disk offload writes (a fresh `memplan-spill-*` folder is made in it,
+    default the system temp dir). Raises ValueError when the plan is for a different model.
+    """
+    plan = load_plan(plan_or_path) if isinstance(plan_or_path, (str, Path)) else plan_or_path
+    if isinstance(plan, PlanLadder):
+        plans = {s: p for s, p in plan.buckets}
+        ladder: PlanLadder | None = plan
+    elif isinstance(plan, Plan):
+        plans = {int(plan.config["seq_len"]): plan}
+        ladder = None
+    else:
+        raise ValueError(f"apply_plan takes a Plan, PlanLadder or plan file path, got "
+                         f"{type(plan).__name__}; load it with load_plan")
+    for p in plans.values():
+        check_plan_matches(p, model)
+    handle = PlanHandle(model, plans, ladder, spill_dir)
+    try:
+        handle._install()
+    except BaseException:
+        handle.remove()
+        raise
+    return handle

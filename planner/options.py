@@ -1,0 +1,164 @@
+"""Per-block options the solver chooses from, and their exact effect on the memory curve.
+
+For each checkpointable block the options are: keep everything; recompute the whole block;
+selective recompute (keep the outputs of the ops that are most expensive per byte, recompute
+the rest); recompute one child module; offload what the block saves. Each option's effect is the
+change it makes to the simulated curve (`delta`, per op sample) and the peak of its own replay
+(recompute or reload) just before the block's backward; the solver adds these up exactly as
+:func:`planner.simulate.simulate` would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from costmodels.hardware import DeviceSpec
+from costmodels.runtime import transfer_time_s
+from planner.graph import OpGraph
+from planner.schedule import ModuleSpan, SpanChoice, dropped_tensors, module_span
+
+__all__ = ["BlockOption", "OptionEffect", "attention_core_choice", "block_options", "option_effect"]
+
+# Ops that make up the attention core (what Megatron's selective recomputation recomputes).
+_ATTENTION_CORE = ("scaled_dot_product", "flash_attention", "efficient_attention", "_softmax",
+                   "softmax", "bmm", "baddbmm", "dropout")
+
+
+@dataclass(frozen=True)
+class BlockOption:
+    """One way to treat one block: `choice` None means keep everything."""
+
+    name: str
+    choice: SpanChoice | None
+
+
+@dataclass(frozen=True)
+class OptionEffect:
+    """Exact effect of an option on the curve.
+
+    `delta[i - lo]` is the change of live bytes at op sample i for lo <= i < hi (zero elsewhere);
+    `replay_at` is the op before which the replay runs and `replay_peak` the most its replay adds
+    on top of the live bytes just before that op (after the option's own drops).
+    """
+
+    lo: int
+    hi: int
+    delta: np.ndarray
+    replay_at: int
+    replay_peak: int
+    cost_s: float
+    recompute_flops: int
+    offload_bytes: int
+
+
+def _nbytes(graph: OpGraph, tid: int, scale: dict[str, float]) -> int:
+    t = graph.tensors[tid]
+    return int(t.nbytes * scale.get(t.category, 1.0))
+
+
+def option_effect(graph: OpGraph, choice: SpanChoice, times: np.ndarray, device: DeviceSpec,
+                  scale: dict[str, float]) -> OptionEffect:
+    """How a span choice changes the curve, mirroring simulate()'s event rules."""
+    span = choice.span
+    b = span.bwd_start
+    dropped = dropped_tensors(graph, span, choice.keep_ops)
+    lo, hi = span.fwd_start, b
+    delta = np.zeros(hi - lo, dtype=np.int64)
+    for tid in dropped:
+        t = graph.tensors[tid]
+        start = t.natural_free_op if t.natural_free_op is not None else graph.backward_start
+        end = b if (t.free_op is not None and t.free_op > b) else (t.free_op or b)
+        if end > start:
+            delta[start - lo:end - lo] -= _nbytes(graph, tid, scale)
+    for i in choice.keep_ops:
+        for tid in graph.ops[i].allocs:
+            t = graph.tensors[tid]
+            if t.free_op is not None and t.free_op < b:
+                delta[t.free_op - lo:] += _nbytes(graph, tid, scale)
+    drop_set = set(dropped)
+    if choice.mode == "offload":
+        nbytes = sum(graph.tensors[tid].nbytes for tid in dropped)
+        replay_peak = 0  # the reloaded storages only return what the drops took away
+        tx = transfer_time_s(nbytes, device, choice.target)
+        fwd_s = float(times[span.fwd_start:span.fwd_end].sum())
+        bwd_s = float(times[span.bwd_start:span.bwd_end].sum())
+        cost = max(0.0, tx - fwd_s) + max(0.0, tx - bwd_s)
+        return OptionEffect(lo, hi, delta, b, replay_peak, cost, 0, nbytes)
+    live = peak = 0
+    local: dict[int, int] = {}
+    for i in range(span.fwd_start, span.fwd_end):
+        live -= local.pop(i, 0)
+        if i in choice.keep_ops:
+            continue
+        for tid in graph.ops[i].allocs:
+            t = graph.tensors[tid]
+            nbytes = _nbytes(graph, tid, scale)
+            live += nbytes
+            if not (tid in drop_set and t.free_op is not None and t.free_op > b):
+                natural = t.natural_free_op if t.natural_free_op is not None else span.fwd_end
+                key = min(natural, span.fwd_end)
+                local[key] = local.get(key, 0) + nbytes
+        peak = max(peak, live)
+    redo = [i for i in range(span.fwd_start, span.fwd_end) if i not in choice.keep_ops]
+    flops = sum(graph.ops[i].flops for i in redo)
+    # The replay starts after the dropped storages are gone: they come back inside `peak`.
+    regained = sum(_nbytes(graph, tid, scale) for tid in dropped
+                   if graph.tensors[tid].free_op is not None and graph.tensors[tid].free_op > b)
+    return OptionEffect(lo, hi, delta, b, peak - regained, float(times[redo].sum()) if redo else 0.0, flops, 0)
+
+
+def _saved_producers(graph: OpGraph, span: ModuleSpan) -> dict[int, int]:
+    """Forward op -> bytes it would free if recomputed (its dropped outputs)."""
+    out: dict[int, int] = {}
+    for tid in dropped_tensors(graph, span):
+        op = graph.tensors[tid].alloc_op
+        out[op] = out.get(op, 0) + graph.tensors[tid].nbytes
+    return out
+
+
+def _child_spans(graph: OpGraph, path: str) -> list[ModuleSpan]:
+    prefix = path + "."
+    children = sorted({op.module[len(prefix):].split(".")[0] for op in graph.ops[: graph.backward_start]
+                       if op.module.startswith(prefix)})
+    spans = []
+    for child in children:
+        try:
+            spans.append(module_span(graph, prefix + child))
+        except ValueError:
+            continue
+    return spans
+
+
+def block_options(graph: OpGraph, span: ModuleSpan, times: np.ndarray, offload: str | None,
+                  max_selective: int = 6) -> list[BlockOption]:
+    """Candidate options for one block (see module docstring)."""
+    options = [BlockOption("keep", None), BlockOption("recompute", SpanChoice(span, "recompute"))]
+    producers = _saved_producers(graph, span)
+    if len(producers) > 1:
+        # Keep first what costs the most time per byte it would free (matmuls, attention).
+        ranked = sorted(producers, key=lambda i: (-times[i] / max(producers[i], 1), i))
+        counts = sorted({max(1, round(k * len(ranked) / max_selective)) for k in range(1, max_selective + 1)})
+        for k in counts:
+            if k >= len(ranked):
+                continue
+            options.append(BlockOption(f"selective-{k}", SpanChoice(span, "recompute", frozenset(ranked[:k]))))
+        core = attention_core_choice(graph, span)
+        if core is not None and core.keep_ops:
+            options.append(BlockOption("selective-attention", core))
+    for child in _child_spans(graph, span.path):
+        if _saved_producers(graph, child):
+            options.append(BlockOption(f"recompute {child.path}", SpanChoice(child, "recompute")))
+    if offload:
+        options.append(BlockOption(f"offload-{offload}", SpanChoice(span, "offload", target=offload)))
+    return options
+
+
+def attention_core_choice(graph: OpGraph, span: ModuleSpan) -> SpanChoice | None:
+    """Megatron-style selective recomputation: recompute only the attention core of a block."""
+    producers = _saved_producers(graph, span)
+    core = [i for i in producers if any(s in graph.ops[i].name for s in _ATTENTION_CORE)]
+    if not core:
+        return None
+    return SpanChoice(span, "recompute", frozenset(i for i in producers if i not in core))

@@ -1,0 +1,344 @@
+"""Choose what to keep, recompute or offload under a peak-memory budget (OR-Tools CP-SAT).
+
+Formulation. Each checkpointable block picks exactly one option (:mod:`planner.options`). An
+option changes the simulated curve by an exact, piecewise-constant `delta` over the block's
+forward-to-backward window, plus a replay peak just before its backward. The curve is cut into
+segments at every point where some option's delta changes; in each segment a block is inactive,
+*held* (its delta is the same constant everywhere in the segment: one integer variable per block,
+summed once per distinct set of held blocks) or *detailed* (a coefficient per option). One linear
+constraint per segment (its highest baseline sample plus the deltas <= budget) and one per replay
+make the model exact with respect to :func:`planner.simulate.simulate`. The objective is the
+added time: recompute seconds plus offload transfer not hidden behind the block's own compute.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from costmodels.hardware import get_device
+from planner.config import TrainConfig
+from planner.graph import OpGraph
+from planner.options import BlockOption, OptionEffect, attention_core_choice, block_options, option_effect
+from planner.schedule import ModuleSpan, SpanChoice, module_span
+from planner.simulate import Timeline, _scale, op_times, simulate
+
+__all__ = ["STRATEGIES", "InfeasibleBudget", "SolveResult", "solve_choices", "strategy_choices", "exhaustive_solve"]
+
+STRATEGIES = ("optimal", "none", "full", "every-N", "sqrt", "selective")
+
+
+class InfeasibleBudget(ValueError):
+    """No plan in the search space fits the budget."""
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    """Chosen span choices, their simulated timeline and the solver's figures."""
+
+    strategy: str
+    choices: tuple[SpanChoice, ...]
+    option_names: tuple[str, ...]
+    timeline: Timeline
+    status: str
+    objective_s: float
+    bound_s: float
+    gap: float
+    wall_s: float
+    num_variables: int
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _spans(graph: OpGraph) -> list[ModuleSpan]:
+    return [module_span(graph, r.path) for r in graph.regions]
+
+
+def _match(paths: Sequence[str], patterns: Sequence[str], flag: str) -> set[str]:
+    out: set[str] = set()
+    for pattern in patterns:
+        hit = {p for p in paths if fnmatch.fnmatchcase(p, pattern)}
+        if not hit:
+            sample = ", ".join(list(paths)[:6]) + (", ..." if len(paths) > 6 else "")
+            raise ValueError(f"{flag} '{pattern}' matches no checkpointable module; they are: {sample}")
+        out |= hit
+    return out
+
+
+def parse_every(strategy: str) -> int | None:
+    if strategy.startswith("every-"):
+        try:
+            n = int(strategy.split("-", 1)[1])
+        except ValueError:
+            n = 0
+        if n <= 0:
+            raise ValueError(f"strategy '{strategy}' needs a positive N, e.g. every-2")
+        return n
+    return None
+
+
+def check_strategy(strategy: str) -> None:
+    if strategy in STRATEGIES and strategy != "every-N":
+        return
+    if parse_every(strategy) is None:
+        raise ValueError(f"unknown strategy '{strategy}'; choose one of: optimal, none, full, every-N "
+                         "(e.g. every-2), sqrt, selective")
+
+
+def strategy_choices(graph: OpGraph, strategy: str) -> list[SpanChoice]:
+    """Baseline strategies, all at block granularity.
+
+    full: every block recomputed. every-N: every N-th block. sqrt: all but about sqrt(L) evenly
+    spaced blocks recomputed, so that about sqrt(L) blocks keep their activations (Chen et al.'s
+    O(sqrt L) memory target at block granularity). selective: recompute only the attention core
+    of every block (Megatron-LM's selective activation recomputation).
+    """
+    check_strategy(strategy)
+    spans = _spans(graph)
+    if strategy == "none":
+        return []
+    if strategy == "full":
+        return [SpanChoice(s, "recompute") for s in spans]
+    every = parse_every(strategy)
+    if every is not None:
+        return [SpanChoice(s, "recompute") for k, s in enumerate(spans) if k % every == 0]
+    if strategy == "sqrt":
+        kept = set(np.linspace(0, len(spans) - 1, max(1, round(math.sqrt(len(spans))))).round().astype(int).tolist())
+        return [SpanChoice(s, "recompute") for k, s in enumerate(spans) if k not in kept]
+    if strategy == "selective":
+        out = []
+        for s in spans:
+            choice = attention_core_choice(graph, s)
+            if choice is not None:
+                out.append(choice)
+        return out
+    raise ValueError(f"strategy '{strategy}' is solved by solve_choices, not a fixed rule")
+
+
+# -- the CP-SAT model ---------------------------------------------------------------------------
+@dataclass
+class _Problem:
+    base_post: np.ndarray  # (n_ops,) live bytes after each op's allocations, no plan
+    base_pre: np.ndarray  # (n_ops,) live bytes before each op's allocations
+    optimizer_peak: int
+    options: list[list[BlockOption]]
+    effects: list[list[OptionEffect | None]]
+
+
+def _problem(graph: OpGraph, config: TrainConfig, offload: str | None, keep: set[str],
+             force: set[str], times: np.ndarray) -> _Problem:
+    base = simulate(graph, config)
+    total = base.total
+    scale = _scale(config)
+    allocs = np.array([sum(int(graph.tensors[t].nbytes * scale.get(graph.tensors[t].category, 1.0))
+                           for t in op.allocs) for op in graph.ops], dtype=np.int64)
+    device = get_device(config.gpu)
+    options, effects = [], []
+    for span in _spans(graph):
+        if span.path in keep:
+            opts = [BlockOption("keep", None)]
+        else:
+            opts = block_options(graph, span, times, offload)
+            if span.path in force:
+                opts = [o for o in opts if o.choice is not None and o.choice.mode == "recompute"]
+        options.append(opts)
+        effects.append([None if o.choice is None else option_effect(graph, o.choice, times, device, scale)
+                        for o in opts])
+    n = len(graph.ops)
+    return _Problem(total[:n].astype(np.int64), total[:n].astype(np.int64) - allocs, int(total[n]), options, effects)
+
+
+def _cut_points(p: _Problem, n: int) -> tuple[np.ndarray, list[int]]:
+    """Segment boundaries and, per block, where its hold zone starts."""
+    cuts = {0, n}
+    hold_start = []
+    for effs in p.effects:
+        real = [e for e in effs if e is not None]
+        if not real:
+            hold_start.append(-1)
+            continue
+        lo, hi = real[0].lo, real[0].hi
+        start = lo
+        for e in real:
+            changes = np.flatnonzero(np.diff(e.delta)) + 1 + lo
+            cuts.update(changes.tolist())
+            if len(changes):
+                start = max(start, int(changes[-1]))
+        cuts.update((lo, hi, start))
+        hold_start.append(start)
+    return np.array(sorted(c for c in cuts if 0 <= c <= n)), hold_start
+
+
+def _solve_cpsat(p: _Problem, budget: int, time_limit_s: float, n: int):
+    model = cp_model.CpModel()
+    unit = max(1, math.ceil(budget / 10_000_000))  # bytes per model unit: keeps coefficients small
+
+    def up(x: float) -> int:  # conservative for costs on the memory side
+        return int(math.ceil(x / unit))
+
+    y = [[model.NewBoolVar(f"y{r}_{k}") for k in range(len(opts))] for r, opts in enumerate(p.options)]
+    for row in y:
+        model.AddExactlyOne(row)
+    cuts, hold_start = _cut_points(p, n)
+    held_vars: list[cp_model.IntVar | None] = []
+    held_lo: list[int] = []
+    for r, effs in enumerate(p.effects):
+        start = hold_start[r]
+        real = [(k, e) for k, e in enumerate(effs) if e is not None]
+        if start < 0 or not real or start >= real[0][1].hi:
+            held_vars.append(None)
+            held_lo.append(0)
+            continue
+        coeffs = {k: up(e.delta[start - e.lo]) for k, e in real}
+        lo_b = min([0] + list(coeffs.values()))
+        h = model.NewIntVar(lo_b, max(0, max(coeffs.values())), f"held{r}")
+        model.Add(h == sum(c * y[r][k] for k, c in coeffs.items()))
+        held_vars.append(h)
+        held_lo.append(lo_b)
+    group_vars: dict[tuple[int, ...], cp_model.IntVar] = {}
+
+    def held_sum(regions: tuple[int, ...]):
+        if not regions:
+            return 0
+        if regions not in group_vars:
+            lo_b = sum(held_lo[r] for r in regions)
+            z = model.NewIntVar(lo_b, 0, f"group{len(group_vars)}")
+            model.Add(z == sum(held_vars[r] for r in regions))
+            group_vars[regions] = z
+        return group_vars[regions]
+
+    spans = []
+    for effs in p.effects:
+        real = [e for e in effs if e is not None]
+        spans.append((real[0].lo, real[0].hi) if real else (n, n))
+
+    def row(s: int, e: int, base_value: int, own: int | None = None, own_terms=None) -> None:
+        held, terms = [], []
+        for r, effs in enumerate(p.effects):
+            lo, hi = spans[r]
+            if r == own or e <= lo or s >= hi:
+                continue
+            if held_vars[r] is not None and s >= hold_start[r]:
+                held.append(r)
+                continue
+            for k, eff in enumerate(effs):
+                if eff is not None:
+                    c = up(eff.delta[s - eff.lo])
+                    if c:
+                        terms.append(c * y[r][k])
+        expr = held_sum(tuple(held)) + sum(terms) + (0 if own_terms is None else own_terms)
+        model.Add(expr <= budget // unit - up(base_value))
+
+    for s, e in zip(cuts[:-1], cuts[1:]):
+        row(int(s), int(e), int(p.base_post[s:e].max()))
+    for r, effs in enumerate(p.effects):
+        for k, eff in enumerate(effs):
+            if eff is None or eff.replay_at >= n:
+                continue
+            b = eff.replay_at
+            row(b, b + 1, int(p.base_pre[b]), own=r, own_terms=up(eff.replay_peak) * y[r][k])
+    costs = [[0.0 if e is None else e.cost_s for e in effs] for effs in p.effects]
+    scale_s = max(max((c for row_ in costs for c in row_), default=0.0), 1e-12) / 1_000_000
+    model.Minimize(sum(int(round(c / scale_s)) * y[r][k] for r, row_ in enumerate(costs) for k, c in enumerate(row_)))
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = float(time_limit_s)
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    status = solver.Solve(model)
+    name = solver.StatusName(status)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return name, None, 0.0, 0.0, sum(len(r) for r in y)
+    picks = [next(k for k, v in enumerate(row_) if solver.Value(v)) for row_ in y]
+    return name, picks, solver.ObjectiveValue() * scale_s, solver.BestObjectiveBound() * scale_s, sum(len(r) for r in y)
+
+
+def _min_peak_choices(p: _Problem) -> list[SpanChoice]:
+    """Per block, the option that frees the most while held (a lower bound on reachable peaks)."""
+    out = []
+    for opts, effs in zip(p.options, p.effects):
+        best, best_saving = None, 0
+        for o, e in zip(opts, effs):
+            if e is None:
+                continue
+            saving = -int(e.delta.min()) if len(e.delta) else 0
+            if saving > best_saving:
+                best, best_saving = o.choice, saving
+        if best is not None:
+            out.append(best)
+    return out
+
+
+def _infeasible(graph: OpGraph, config: TrainConfig, budget: int, p: _Problem) -> InfeasibleBudget:
+    from planner.report import format_bytes
+
+    best = simulate(graph, config, choices=_min_peak_choices(p))
+    top = max(best.breakdown_at_peak.items(), key=lambda kv: kv[1])
+    return InfeasibleBudget(
+        f"budget {format_bytes(budget)} is infeasible: the smallest peak memplan can reach is "
+        f"{format_bytes(best.peak_bytes)} ({best.peak_bytes} B) in {best.peak_phase} at {best.peak_op}, "
+        f"dominated by {top[0]} ({format_bytes(top[1])}); raise --budget to at least that, or cut model "
+        "states (--precision bf16-mixed, --optimizer adamw-8bit, --zero 3 --dp N) or offload (--offload cpu)"
+    )
+
+
+def solve_choices(graph: OpGraph, config: TrainConfig, budget_bytes: int, *, offload: str | None = None,
+                  keep: Sequence[str] = (), recompute: Sequence[str] = (), time_limit_s: float = 20.0) -> SolveResult:
+    """Cheapest span choices whose simulated peak fits `budget_bytes` (CP-SAT, deterministic)."""
+    if budget_bytes <= 0:
+        raise ValueError(f"budget must be positive, got {budget_bytes}")
+    if offload not in (None, "none", "cpu", "disk"):
+        raise ValueError(f"unknown offload target '{offload}'; choose one of: none, cpu, disk")
+    offload = None if offload in (None, "none") else offload
+    if offload == "cpu" and not get_device(config.gpu).is_cuda:
+        raise ValueError("offloading to cpu on a cpu device frees nothing; use --offload disk")
+    t0 = time.perf_counter()
+    paths = [r.path for r in graph.regions]
+    keep_set = _match(paths, keep, "--keep")
+    force_set = _match(paths, recompute, "--recompute")
+    if keep_set & force_set:
+        raise ValueError(f"modules both kept and recomputed: {', '.join(sorted(keep_set & force_set))}")
+    times = op_times(graph, get_device(config.gpu))
+    p = _problem(graph, config, offload, keep_set, force_set, times)
+    n = len(graph.ops)
+    if p.optimizer_peak > budget_bytes:
+        raise _infeasible(graph, config, budget_bytes, p)
+    budget = budget_bytes
+    for attempt in range(4):
+        status, picks, objective, bound, nvars = _solve_cpsat(p, budget, time_limit_s, n)
+        if picks is None:
+            if status == "INFEASIBLE":
+                raise _infeasible(graph, config, budget_bytes, p)
+            raise ValueError(f"the solver found no plan within --time-limit {time_limit_s:g}s ({status}); "
+                             "raise --time-limit")
+        chosen = [(p.options[r][k]) for r, k in enumerate(picks)]
+        choices = tuple(o.choice for o in chosen if o.choice is not None)
+        timeline = simulate(graph, config, choices=choices)
+        if timeline.peak_bytes <= budget_bytes:
+            if attempt > 0 and status == "OPTIMAL":
+                status = "FEASIBLE"  # optimal for a tightened budget only
+            gap = (objective - bound) / objective if objective > 0 else 0.0
+            return SolveResult("optimal", choices, tuple(o.name for o in chosen), timeline, status,
+                               objective, bound, max(0.0, gap), time.perf_counter() - t0, nvars)
+        budget -= timeline.peak_bytes - budget_bytes  # interactions the linear model missed
+    raise ValueError("the solver's plans kept exceeding the budget in simulation; report this model to memplan")
+
+
+def exhaustive_solve(graph: OpGraph, config: TrainConfig, budget_bytes: int, offload: str | None = None) -> tuple[float, list[str]] | None:
+    """Brute force over every combination of block options (tests only: exponential)."""
+    times = op_times(graph, get_device(config.gpu))
+    p = _problem(graph, config, offload, set(), set(), times)
+    best: tuple[float, list[str]] | None = None
+    for combo in itertools.product(*[range(len(o)) for o in p.options]):
+        cost = sum(0.0 if p.effects[r][k] is None else p.effects[r][k].cost_s for r, k in enumerate(combo))
+        if best is not None and cost >= best[0]:
+            continue
+        choices = [p.options[r][k].choice for r, k in enumerate(combo) if p.options[r][k].choice is not None]
+        if simulate(graph, config, choices=choices).peak_bytes <= budget_bytes:
+            best = (cost, [p.options[r][k].name for r, k in enumerate(combo)])
+    return best
