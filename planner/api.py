@@ -31,7 +31,8 @@ def plan_for_config(plan: Plan | PlanLadder | str | Path | None, seq_len: int) -
 
 def simulate_model(spec: str, config: TrainConfig, plan: Plan | PlanLadder | str | None = None) -> Timeline:
     """Trace a spec at the config's shapes and simulate one step (under a plan, if given)."""
-    graph = trace(spec, batch_size=config.batch_size, seq_len=config.seq_len, precision=config.precision)
+    graph = trace(spec, batch_size=config.batch_size, seq_len=config.seq_len, precision=config.precision,
+                  gathered_params=config.zero_stage == 3)
     timeline = simulate(graph, config, plan=plan_for_config(plan, config.seq_len))
     timeline.config["model"] = spec
     return timeline

@@ -98,6 +98,16 @@ def _storage_ptrs(tensors: Iterable[Any]) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t` covers its memory exactly once in some dim order (a permuted contiguous tensor)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 class _Spilled:
     """A saved tensor written to one raw file; the file goes when this record is read or freed."""
 
@@ -106,7 +116,7 @@ class _Spilled:
         self.dtype = t.dtype
         self.shape = tuple(t.shape)
         self.device = t.device
-        self.layout = torch.empty_like(t, device="meta")  # keeps strides, costs nothing
+        self.stride = None if t.is_contiguous() or not _dense(t) else tuple(t.stride())
         t.detach().cpu().contiguous().view(torch.uint8).numpy().tofile(path)
         self.cleanup = weakref.finalize(self, Path.unlink, path, True)
 
@@ -117,8 +127,10 @@ class _Spilled:
         data = torch.from_numpy(np.fromfile(self.path, dtype=np.uint8))
         self.cleanup()
         flat = data.view(self.dtype).reshape(self.shape)
-        out = torch.empty_like(self.layout, device=self.device)
-        return out.copy_(flat)
+        if self.stride is None:
+            return flat.to(self.device)
+        out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+        return out.copy_(flat)  # same strides as the saved tensor (a transpose stays one)
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,7 @@ class OpGraph:
     param_dtype: str
     meta: dict = field(default_factory=dict)
     _consumers: dict[int, list[int]] | None = field(default=None, repr=False, compare=False)
+    _by_module: dict[str, list[int]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_parameters(self) -> int:
@@ -120,6 +121,22 @@ class OpGraph:
                     out.setdefault(tid, []).append(op.index)
             self._consumers = out
         return self._consumers
+
+    def ops_in_module(self, path: str) -> list[int]:
+        """Indices of ops run inside a module (or its submodules), in order (indexed once)."""
+        if self._by_module is None:
+            index: dict[str, list[int]] = {}
+            for op in self.ops:
+                index.setdefault(op.module, []).append(op.index)
+            self._by_module = index
+        if path == "":
+            return list(range(len(self.ops)))
+        prefix = path + "."
+        out = list(self._by_module.get(path, ()))
+        for name, ids in self._by_module.items():
+            if name.startswith(prefix):
+                out += ids
+        return sorted(out)
 
     def preexisting(self) -> Iterator[TensorInfo]:
         return (t for t in self.tensors.values() if t.alloc_op < 0)

@@ -42,17 +42,14 @@ class SpanChoice:
     target: str | None = None
 
 
-def _inside(module: str, path: str) -> bool:
-    return path == "" or module == path or module.startswith(path + ".")
-
-
 def module_span(graph: OpGraph, path: str) -> ModuleSpan:
     """Forward/backward op ranges of a module; ValueError when it ran no forward and backward."""
     for r in graph.regions:
         if r.path == path:
             return ModuleSpan(path, r.fwd_start, r.fwd_end, r.bwd_start, r.bwd_end)
-    fwd = [op.index for op in graph.ops[: graph.backward_start] if _inside(op.module, path)]
-    bwd = [op.index for op in graph.ops[graph.backward_start:] if _inside(op.module, path)]
+    ops = graph.ops_in_module(path)
+    fwd = [i for i in ops if i < graph.backward_start]
+    bwd = [i for i in ops if i >= graph.backward_start]
     if not fwd or not bwd:
         raise ValueError(f"module '{path}' runs no forward and backward ops in the traced step; "
                          "choose a module path that the model's forward uses")

@@ -121,25 +121,49 @@ class _Memory:
         self.samples.append((op_index, phase, op, module, tuple(values[c] for c in CATEGORIES)))
 
 
-def _scale(config: TrainConfig) -> dict[str, float]:
-    """Per-device fraction of each traced category under ZeRO sharding."""
-    dp, z = config.dp, config.zero_stage
-    return {"parameter": 1 / dp if z >= 3 else 1.0, "gradient": 1 / dp if z >= 2 else 1.0}
+def _scale(graph: OpGraph, config: TrainConfig) -> dict[str, float]:
+    """Per-device bytes of each traced parameter/gradient byte: ZeRO sharding, and the fp32 master
+    weights and gradients behind a trace whose parameters are in the compute dtype (FSDP)."""
+    states = _model_states(graph, config)
+    traced = {"parameter": 0, "gradient": 0}
+    for t in graph.preexisting():
+        if t.category == "parameter":
+            traced["parameter"] += t.nbytes
+    for t in graph.tensors.values():
+        if t.category == "gradient":
+            traced["gradient"] += t.nbytes
+    want = {"parameter": states.parameter, "gradient": states.gradient}
+    return {c: want[c] / traced[c] if traced[c] else 1.0 for c in traced}
 
 
 def _block_transients(graph: OpGraph, config: TrainConfig) -> dict[int, dict[str, int]]:
-    """Op index -> extra bytes of sharding buffers while a block runs (gathered params, full grads)."""
-    out: dict[int, dict[str, int]] = {}
+    """Op index -> extra bytes of sharding buffers while a block runs.
+
+    ZeRO-3/FSDP gathers a block's parameters for its forward and backward (one block at a time:
+    prefetching the next block is not modelled) and parameters outside blocks for the ops that
+    read them; ZeRO-2+ holds a block's unsharded gradients until they are reduce-scattered.
+    """
+    out: dict[int, dict[str, int]] = defaultdict(lambda: {"parameter": 0, "gradient": 0})
     if config.dp == 1 or config.zero_stage < 2:
-        return out
-    unsharded = 1 - 1 / config.dp
+        return {}
     for r in graph.regions:
-        gathered = int(r.param_bytes * unsharded) if config.zero_stage >= 3 else 0
-        for i in range(r.fwd_start, r.fwd_end):
-            out[i] = {"parameter": gathered}
+        if config.zero_stage >= 3:
+            for i in list(range(r.fwd_start, r.fwd_end)) + list(range(r.bwd_start, r.bwd_end)):
+                out[i]["parameter"] += r.param_bytes
         for i in range(r.bwd_start, r.bwd_end):
-            out[i] = {"parameter": gathered, "gradient": int(r.param_bytes * unsharded)}
-    return out
+            out[i]["gradient"] += r.param_bytes
+    if config.zero_stage >= 3:
+        in_region = set()
+        for r in graph.regions:
+            in_region.update(range(r.fwd_start, r.fwd_end))
+            in_region.update(range(r.bwd_start, r.bwd_end))
+        params = {t.id: t.nbytes for t in graph.preexisting() if t.category == "parameter"}
+        for op in graph.ops:
+            if op.index not in in_region:
+                gathered = sum(params.get(tid, 0) for tid in op.inputs)
+                if gathered:
+                    out[op.index]["parameter"] += gathered
+    return dict(out)
 
 
 def _model_states(graph: OpGraph, config: TrainConfig) -> ModelStates:
@@ -182,7 +206,7 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
     config = config or TrainConfig(batch_size=graph.meta.get("batch_size", 1),
                                    seq_len=graph.meta.get("seq_len", 1))
     device = get_device(config.gpu)
-    scale = _scale(config)
+    scale = _scale(graph, config)
     states = _model_states(graph, config)
     times = op_times(graph, device)
     transients = _block_transients(graph, config)

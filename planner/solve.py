@@ -32,6 +32,7 @@ from planner.simulate import Timeline, _scale, op_times, simulate
 
 __all__ = ["STRATEGIES", "InfeasibleBudget", "SolveResult", "solve_choices", "strategy_choices", "exhaustive_solve"]
 
+RELATIVE_GAP_LIMIT = 0.005  # stop once the plan is proven within 0.5% of the bound
 STRATEGIES = ("optimal", "none", "full", "every-N", "sqrt", "selective")
 
 
@@ -135,7 +136,7 @@ def _problem(graph: OpGraph, config: TrainConfig, offload: str | None, keep: set
              force: set[str], times: np.ndarray) -> _Problem:
     base = simulate(graph, config)
     total = base.total
-    scale = _scale(config)
+    scale = _scale(graph, config)
     allocs = np.array([sum(int(graph.tensors[t].nbytes * scale.get(graph.tensors[t].category, 1.0))
                            for t in op.allocs) for op in graph.ops], dtype=np.int64)
     device = get_device(config.gpu)
@@ -147,11 +148,42 @@ def _problem(graph: OpGraph, config: TrainConfig, offload: str | None, keep: set
             opts = block_options(graph, span, times, offload)
             if span.path in force:
                 opts = [o for o in opts if o.choice is not None and o.choice.mode == "recompute"]
+        effs = [None if o.choice is None else option_effect(graph, o.choice, times, device, scale) for o in opts]
+        opts, effs = _undominated(opts, effs)
         options.append(opts)
-        effects.append([None if o.choice is None else option_effect(graph, o.choice, times, device, scale)
-                        for o in opts])
+        effects.append(effs)
     n = len(graph.ops)
     return _Problem(total[:n].astype(np.int64), total[:n].astype(np.int64) - allocs, int(total[n]), options, effects)
+
+
+def _undominated(opts: list[BlockOption], effs: list[OptionEffect | None]):
+    """Drop options that cost at least as much as another and never use less memory."""
+    def profile(e: OptionEffect | None, length: int, lo: int):
+        if e is None:
+            return 0.0, np.zeros(length, dtype=np.int64), 0, 0
+        d = np.zeros(length, dtype=np.int64)
+        d[e.lo - lo:e.hi - lo] = e.delta
+        return e.cost_s, d, e.replay_peak, e.offload_bytes
+
+    real = [e for e in effs if e is not None]
+    if not real:
+        return opts, effs
+    lo, hi = min(e.lo for e in real), max(e.hi for e in real)
+    profiles = [profile(e, hi - lo, lo) for e in effs]
+    keep = []
+    for i, (ci, di, ri, _) in enumerate(profiles):
+        dominated = False
+        for j, (cj, dj, rj, _) in enumerate(profiles):
+            if j == i:
+                continue
+            no_worse = cj <= ci and rj <= ri and bool(np.all(dj <= di))
+            strictly = cj < ci or rj < ri or bool(np.any(dj < di))
+            if no_worse and (strictly or j < i):
+                dominated = True
+                break
+        if not dominated:
+            keep.append(i)
+    return [opts[i] for i in keep], [effs[i] for i in keep]
 
 
 def _cut_points(p: _Problem, n: int) -> tuple[np.ndarray, list[int]]:
@@ -248,8 +280,9 @@ def _solve_cpsat(p: _Problem, budget: int, time_limit_s: float, n: int):
     model.Minimize(sum(int(round(c / scale_s)) * y[r][k] for r, row_ in enumerate(costs) for k, c in enumerate(row_)))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit_s)
-    solver.parameters.num_workers = 1
+    solver.parameters.num_workers = 1  # one worker and a fixed seed: the same plan every run
     solver.parameters.random_seed = 0
+    solver.parameters.relative_gap_limit = RELATIVE_GAP_LIMIT
     status = solver.Solve(model)
     name = solver.StatusName(status)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):

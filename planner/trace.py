@@ -358,21 +358,39 @@ def _drop_parameter_saves(tensors: dict[int, TensorInfo]) -> None:
             tensors[tid] = TensorInfo(**{**t.__dict__, "saved_by": ()})
 
 
+def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """model.to(dtype) for floating parameters and buffers; works on fake tensors, where
+    Module.to cannot swap parameter tensors."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_floating_point():
+                setattr(module, name, nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad))
+        for name, b in list(module.named_buffers(recurse=False)):
+            if b is not None and b.is_floating_point():
+                module.register_buffer(name, b.to(dtype), persistent=name not in module._non_persistent_buffers_set)
+
+
 def trace(spec: str | ModelSpec, *, batch_size: int = 1, seq_len: int = 512,
-          precision: str = "fp32") -> OpGraph:
+          precision: str = "fp32", gathered_params: bool = False) -> OpGraph:
     """Trace one forward, loss and backward of a model spec on fake CPU tensors.
 
     Nothing is allocated: a 70B model traces on a laptop. The precision decides the parameter
-    dtype and the autocast dtype of the forward.
+    dtype and the autocast dtype of the forward. With `gathered_params` (ZeRO-3/FSDP) a mixed
+    precision runs as FSDP's MixedPrecisionPolicy does: parameters gathered in the compute dtype,
+    no autocast (the simulator puts the fp32 master weights back).
     """
     model_spec = resolve_spec(spec) if isinstance(spec, str) else spec
     prec = get_precision(precision)
+    param_dtype, traced_precision = prec.param_dtype, precision
+    if gathered_params and prec.autocast_dtype is not None:
+        param_dtype, traced_precision = prec.autocast_dtype, "fp32"
     with ExitStack() as stack:
         stack.enter_context(FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True))
         model, inputs = model_spec.build(batch_size=batch_size, seq_len=seq_len)
-        if prec.param_dtype != torch.float32:
-            model.to(prec.param_dtype)
+        if param_dtype != torch.float32:
+            _cast_parameters(model, param_dtype)
         model.train()
-        graph = trace_model(model, inputs, precision=precision, name=model_spec.name)
+        graph = trace_model(model, inputs, precision=traced_precision, name=model_spec.name)
+        graph.meta["precision"] = precision
     graph.meta.update(batch_size=batch_size, seq_len=seq_len)
     return graph
