@@ -15,7 +15,8 @@ from planner.spec import resolve_spec
 from planner.trace import trace
 from planner.verify import Measurement, measure_step
 
-__all__ = ["simulate_model", "VerifyResult", "verify_model", "plan_for_config"]
+__all__ = ["simulate_model", "VerifyResult", "verify_model", "plan_for_config", "trace_for", "plan_model",
+           "check_plan_for_spec"]
 
 
 def plan_for_config(plan: Plan | PlanLadder | str | Path | None, seq_len: int) -> Plan | None:
@@ -31,8 +32,7 @@ def plan_for_config(plan: Plan | PlanLadder | str | Path | None, seq_len: int) -
 
 def simulate_model(spec: str, config: TrainConfig, plan: Plan | PlanLadder | str | None = None) -> Timeline:
     """Trace a spec at the config's shapes and simulate one step (under a plan, if given)."""
-    graph = trace(spec, batch_size=config.batch_size, seq_len=config.seq_len, precision=config.precision,
-                  gathered_params=config.zero_stage == 3)
+    graph = trace_for(spec, config)
     timeline = simulate(graph, config, plan=plan_for_config(plan, config.seq_len))
     timeline.config["model"] = spec
     return timeline
@@ -79,3 +79,44 @@ def verify_model(spec: str, config: TrainConfig, plan: Plan | PlanLadder | str |
     error = (timeline.peak_bytes - measured.peak_bytes) / measured.peak_bytes
     return VerifyResult(spec, timeline.peak_bytes, measured.peak_bytes, error, measured.loss,
                         config.to_dict(), plan_path)
+
+
+def trace_for(spec: str, config: TrainConfig):
+    """The trace a config needs (ZeRO-3 traces parameters as FSDP gathers them)."""
+    return trace(spec, batch_size=config.batch_size, seq_len=config.seq_len, precision=config.precision,
+                 gathered_params=config.zero_stage == 3)
+
+
+def plan_model(spec: str, config: TrainConfig, budget_bytes: int, *, strategy: str = "optimal",
+               offload: str | None = None, keep=(), recompute=(), time_limit_s: float = 10.0):
+    """Trace, compare the baseline strategies and solve: (plan, comparison rows, no-plan peak)."""
+    from planner.planning import compare_strategies, solve
+
+    graph = trace_for(spec, config)
+    plan = solve(graph, config, budget_bytes, strategy=strategy, offload=offload, keep=keep,
+                 recompute=recompute, time_limit_s=time_limit_s)
+    rows = compare_strategies(graph, config, budget_bytes)
+    return plan, rows, plan.predicted.baseline_peak_bytes
+
+
+def check_plan_for_spec(spec: str, config: TrainConfig, plan_path: str) -> str:
+    """Build the model on the meta device, check the plan matches it, describe what it wraps."""
+    from planner.plan import check_plan_matches
+
+    plan = load_plan(plan_path)
+    plans = [p for _, p in plan.buckets] if isinstance(plan, PlanLadder) else [plan]
+    with torch.device("meta"):
+        model, _ = resolve_spec(spec).build(batch_size=config.batch_size, seq_len=config.seq_len)
+    lines = []
+    for p in plans:
+        if get_precision(p.config["precision"]).param_dtype != torch.float32:
+            model.to(get_precision(p.config["precision"]).param_dtype)
+        check_plan_matches(p, model)
+        kinds: dict[str, int] = {}
+        for d in p.decisions:
+            kinds[d.action if d.op is None else f"{d.action} op"] = kinds.get(d.action if d.op is None else f"{d.action} op", 0) + 1
+        lines.append(f"seq {p.config['seq_len']}: {p.strategy} plan matches {spec}; "
+                     + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
+                     + f"; predicted peak {p.predicted.peak_bytes} B, overhead {p.predicted.overhead * 100:.1f}%")
+    lines.append("apply it in your training script with: handle = planner.apply_plan(model, 'PLAN.json')")
+    return "\n".join(lines)
