@@ -91,6 +91,7 @@ class OpGraph:
     param_shapes: list[tuple[int, ...]]
     param_dtype: str
     meta: dict = field(default_factory=dict)
+    saving_ops: frozenset[int] = frozenset()  # forward ops whose autograd node saved any tensor
     _consumers: dict[int, list[int]] | None = field(default=None, repr=False, compare=False)
     _by_module: dict[str, list[int]] | None = field(default=None, repr=False, compare=False)
 

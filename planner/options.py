@@ -17,7 +17,7 @@ import numpy as np
 from costmodels.hardware import DeviceSpec
 from costmodels.runtime import transfer_time_s
 from planner.graph import OpGraph
-from planner.schedule import ModuleSpan, SpanChoice, dropped_tensors, module_span
+from planner.schedule import ModuleSpan, SpanChoice, dropped_tensors, module_span, recompute_ops
 
 __all__ = ["BlockOption", "OptionEffect", "attention_core_choice", "block_options", "option_effect"]
 
@@ -88,10 +88,10 @@ def option_effect(graph: OpGraph, choice: SpanChoice, times: np.ndarray, device:
         return OptionEffect(lo, hi, delta, b, replay_peak, cost, 0, nbytes)
     live = peak = 0
     local: dict[int, int] = {}
-    for i in range(span.fwd_start, span.fwd_end):
-        live -= local.pop(i, 0)
-        if i in choice.keep_ops:
-            continue
+    redo = recompute_ops(graph, span, choice.keep_ops, dropped)
+    for i in redo:
+        for k in [k for k in local if k <= i]:
+            live -= local.pop(k)
         for tid in graph.ops[i].allocs:
             t = graph.tensors[tid]
             nbytes = _nbytes(graph, tid, scale)
@@ -101,7 +101,6 @@ def option_effect(graph: OpGraph, choice: SpanChoice, times: np.ndarray, device:
                 key = min(natural, span.fwd_end)
                 local[key] = local.get(key, 0) + nbytes
         peak = max(peak, live)
-    redo = [i for i in range(span.fwd_start, span.fwd_end) if i not in choice.keep_ops]
     flops = sum(graph.ops[i].flops for i in redo)
     # The replay starts after the dropped storages are gone: they come back inside `peak`.
     regained = sum(_nbytes(graph, tid, scale) for tid in dropped

@@ -14,7 +14,8 @@ from typing import Iterable, Sequence
 
 from planner.graph import OpGraph
 
-__all__ = ["SpanChoice", "ModuleSpan", "module_span", "op_keys", "dropped_tensors", "choices_from_decisions"]
+__all__ = ["SpanChoice", "ModuleSpan", "module_span", "op_keys", "dropped_tensors", "choices_from_decisions",
+           "recompute_ops"]
 
 
 @dataclass(frozen=True)
@@ -127,3 +128,14 @@ def _check_disjoint(choices: list[SpanChoice]) -> None:
         if b0 < a1:
             raise ValueError(f"plan recomputes or offloads both '{pa}' and '{pb}', which overlap; "
                              "choose one of them")
+
+
+def recompute_ops(graph: OpGraph, span: ModuleSpan, keep_ops: frozenset[int], dropped: Sequence[int]) -> list[int]:
+    """Forward ops a non-reentrant checkpoint re-runs, minus those whose outputs a selective
+    policy keeps. torch stops the recompute early, once it has re-saved as many tensors as the
+    forward saved: after the span's last op whose autograd node saved anything."""
+    if not dropped:
+        return []
+    saving = [i for i in range(span.fwd_start, span.fwd_end) if i in graph.saving_ops]
+    stop = max(saving) + 1 if saving else span.fwd_end
+    return [i for i in range(span.fwd_start, stop) if i not in keep_ops]

@@ -22,7 +22,7 @@ from costmodels.memory import ModelStates, get_precision, model_state_bytes
 from costmodels.runtime import op_time_s, transfer_time_s
 from planner.config import TrainConfig
 from planner.graph import CATEGORIES, OpGraph
-from planner.schedule import SpanChoice, choices_from_decisions, dropped_tensors
+from planner.schedule import SpanChoice, choices_from_decisions, dropped_tensors, recompute_ops
 
 __all__ = ["Timeline", "StepCosts", "simulate", "op_times"]
 
@@ -239,7 +239,7 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
                     moved.add(tid)
         inserts[choice.span.bwd_start].append((choice, dropped))
         if choice.mode == "recompute":
-            redo = [i for i in range(choice.span.fwd_start, choice.span.fwd_end) if i not in choice.keep_ops]
+            redo = recompute_ops(graph, choice.span, choice.keep_ops, dropped)
             recompute_flops += sum(graph.ops[i].flops for i in redo)
             recompute_s += float(times[redo].sum()) if redo else 0.0
         else:
@@ -285,11 +285,10 @@ def _replay(graph: OpGraph, mem: _Memory, frees, choice: SpanChoice, dropped: li
         mem.sample(span.bwd_start, "backward", label, span.path, extra)
         return
     local_frees: dict[int, list[tuple[str, int]]] = defaultdict(list)
-    for i in range(span.fwd_start, span.fwd_end):
-        for category, nbytes in local_frees.pop(i, ()):
-            mem.add(category, -nbytes)
-        if i in choice.keep_ops:
-            continue
+    for i in recompute_ops(graph, span, choice.keep_ops, dropped):
+        for k in [k for k in local_frees if k <= i]:
+            for category, nbytes in local_frees.pop(k):
+                mem.add(category, -nbytes)
         op = graph.ops[i]
         for tid in op.allocs:
             t = graph.tensors[tid]

@@ -306,10 +306,11 @@ def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp3
         t = tensors[tid]
         if categories.get(tid) == "input":
             tensors[tid] = TensorInfo(**{**t.__dict__, "category": "activation" if t.saved_by else "temporary"})
+    saving_ops = frozenset(i for ops_ in saved_by.values() for i in ops_)
     _drop_parameter_saves(tensors)
     return OpGraph(
         ops=ops, tensors=tensors, regions=_regions(model, ops, backward_start, param_bytes_of),
-        backward_start=backward_start,
+        backward_start=backward_start, saving_ops=saving_ops,
         param_shapes=[tuple(_as_int(d, "a parameter") for d in p.shape) for p in params],
         param_dtype=param_dtype,
         meta={"model": name, "precision": precision, "fingerprint": model_fingerprint(model),
