@@ -90,7 +90,8 @@ def plot_timeline(result: dict, path: str, capacity_bytes: int | None = None) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["timeline"]
+    rows = list(result["timeline"])
+    rows += [rows[-1]] * max(1, len(rows) // 50)  # the optimizer step is one sample: give it width
     x = list(range(len(rows)))
     gib = 2**30
     fig, ax = plt.subplots(figsize=(10, 4.5))
@@ -98,10 +99,10 @@ def plot_timeline(result: dict, path: str, capacity_bytes: int | None = None) ->
     if capacity_bytes:
         ax.axhline(capacity_bytes / gib, color="red", linestyle="--", label="device capacity")
     phases = [r["phase"] for r in rows]
-    for phase in ("loss", "backward", "optimizer"):
+    for k, phase in enumerate(("loss", "backward", "optimizer")):
         if phase in phases:
             ax.axvline(phases.index(phase), color="gray", linewidth=0.8)
-            ax.text(phases.index(phase), ax.get_ylim()[1] * 0.97, phase, fontsize=8, va="top")
+            ax.text(phases.index(phase), ax.get_ylim()[1] * (0.97 - 0.05 * k), " " + phase, fontsize=8, va="top")
     cfg = result.get("config", {})
     ax.set_title(f"{cfg.get('model', '')} batch {cfg.get('batch_size')} seq {cfg.get('seq_len')} "
                  f"{cfg.get('precision')} on {cfg.get('gpu')}: peak {format_bytes(result['peak_bytes'])}")

@@ -316,7 +316,8 @@ def _infeasible(graph: OpGraph, config: TrainConfig, budget: int, p: _Problem) -
         f"budget {format_bytes(budget)} is infeasible: the smallest peak memplan can reach is "
         f"{format_bytes(best.peak_bytes)} ({best.peak_bytes} B) in {best.peak_phase} at {best.peak_op}, "
         f"dominated by {top[0]} ({format_bytes(top[1])}); raise --budget to at least that, or cut model "
-        "states (--precision bf16-mixed, --optimizer adamw-8bit, --zero 3 --dp N) or offload (--offload cpu)"
+        "states (--precision bf16-mixed, --optimizer adamw-8bit, --zero 3 --dp N) or offload "
+        f"(--offload {'cpu' if get_device(config.gpu).is_cuda else 'disk'})"
     )
 
 
