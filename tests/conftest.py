@@ -1,0 +1,88 @@
+"""Shared fixtures: a per-session trace cache and small model files for spec-string tests."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+_TRACES: dict = {}
+
+
+def cached_trace(preset: str, batch_size: int = 1, seq_len: int = 32, precision: str = "fp32"):
+    """trace() memoised on (preset, batch, seq, precision); graphs are treated as read-only."""
+    from planner.trace import trace
+
+    key = (preset, batch_size, seq_len, precision)
+    if key not in _TRACES:
+        _TRACES[key] = trace(preset, batch_size=batch_size, seq_len=seq_len, precision=precision)
+    return _TRACES[key]
+
+
+@pytest.fixture(scope="session")
+def traced():
+    return cached_trace
+
+
+BAD_MODELS = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+
+    class Gate(nn.Module):
+        def forward(self, x):
+            idx = (x > 0).nonzero()
+            return x[idx[:, 0]]
+
+
+    class NonzeroModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self.gate = Gate()
+
+        def forward(self, x):
+            return self.gate(self.proj(x)).sum()
+
+
+    class Branch(nn.Module):
+        def forward(self, x):
+            if x.mean().item() > 0:
+                return x * 2
+            return x
+
+
+    class ItemModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self.branch = Branch()
+
+        def forward(self, x):
+            return self.branch(self.proj(x)).sum()
+
+
+    def nonzero_model(batch_size, seq_len):
+        return NonzeroModel(), (torch.randn(batch_size, seq_len, 8),)
+
+
+    def item_model(batch_size, seq_len):
+        return ItemModel(), (torch.randn(batch_size, seq_len, 8),)
+
+
+    def raises(batch_size, seq_len):
+        raise RuntimeError("boom from the model function")
+
+
+    def good_model(batch_size, seq_len):
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)), (torch.randn(batch_size, seq_len, 8),)
+''')
+
+
+@pytest.fixture
+def bad_models(tmp_path: Path) -> Path:
+    """A model file with FUNCs: nonzero_model, item_model, raises, good_model."""
+    path = tmp_path / "bad_models.py"
+    path.write_text(BAD_MODELS)
+    return path

@@ -1,0 +1,89 @@
+"""Predicted peak against the measured peak of a real CPU training step (planner.api.verify_model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from planner.api import verify_model
+from planner.config import TrainConfig
+from planner.spec import resolve_spec
+from planner.verify import LiveBytesTracker, measure_step
+
+TOLERANCE = 0.03
+
+CASES = [
+    ("llama-7b-tiny", 32), ("llama-7b-tiny", 64),
+    ("gpt2-tiny", 32), ("gpt2-tiny", 64),
+    ("mistral-7b-tiny", 32), ("mistral-7b-tiny", 64),  # grouped-query attention
+    ("resnet-tiny", 16), ("resnet-tiny", 32),  # conv + batch norm; seq_len is the image side
+    ("kwargs-tiny", 32), ("kwargs-tiny", 64),  # keyword inputs, output object with .loss
+    ("mlp-tiny", 16), ("bert-tiny", 32),
+]
+
+
+@pytest.mark.parametrize("spec,seq_len", CASES)
+def test_predicted_peak_within_3_percent(spec, seq_len):
+    r = verify_model(spec, TrainConfig(batch_size=2, seq_len=seq_len))
+    assert r.measured_bytes > 0 and r.predicted_bytes > 0
+    assert abs(r.error) <= TOLERANCE, (r.predicted_bytes, r.measured_bytes, r.error)
+    assert r.error == pytest.approx((r.predicted_bytes - r.measured_bytes) / r.measured_bytes)
+    assert r.config["seq_len"] == seq_len and r.model == spec and r.plan is None
+    assert r.loss == r.loss  # finite-ish: not NaN
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adafactor", "none"])
+def test_other_optimizers(optimizer):
+    r = verify_model("llama-7b-tiny", TrainConfig(batch_size=2, seq_len=32, optimizer=optimizer))
+    assert abs(r.error) <= TOLERANCE, (optimizer, r.predicted_bytes, r.measured_bytes)
+
+
+@pytest.mark.parametrize("spec", ["llama-7b-tiny", "resnet-tiny"])
+def test_bf16_mixed(spec):
+    r = verify_model(spec, TrainConfig(batch_size=2, seq_len=32, precision="bf16-mixed"))
+    assert abs(r.error) <= TOLERANCE, (r.predicted_bytes, r.measured_bytes)
+
+
+def test_pure_bf16():
+    r = verify_model("llama-7b-tiny", TrainConfig(batch_size=2, seq_len=32, precision="bf16"))
+    assert abs(r.error) <= TOLERANCE
+
+
+def test_ordering_of_sizes_matches_measurement():
+    small = verify_model("gpt2-tiny", TrainConfig(batch_size=1, seq_len=32))
+    large = verify_model("gpt2-tiny", TrainConfig(batch_size=3, seq_len=32))
+    assert small.measured_bytes < large.measured_bytes
+    assert small.predicted_bytes < large.predicted_bytes
+
+
+def test_verify_rejects_gpu_and_8bit():
+    with pytest.raises(ValueError, match="cpu"):
+        verify_model("llama-7b-tiny", TrainConfig(batch_size=1, seq_len=16, gpu="h100-80gb"))
+    with pytest.raises(ValueError, match="adamw-8bit"):
+        verify_model("llama-7b-tiny", TrainConfig(batch_size=1, seq_len=16, optimizer="adamw-8bit"))
+    with pytest.raises(ValueError, match="fp16"):
+        verify_model("llama-7b-tiny", TrainConfig(batch_size=1, seq_len=16, precision="fp16-mixed"))
+
+
+def test_live_bytes_tracker_counts_storages_once():
+    tracker = LiveBytesTracker()
+    with tracker:
+        a = torch.ones(256)  # 1 KiB
+        v = a.view(16, 16)  # a view allocates nothing
+        b = a * 2
+        del b
+        c = torch.zeros(128)
+    assert tracker.peak_bytes == 2 * 1024
+    assert tracker.live_bytes == 1024 + 512
+    del a, v, c
+    assert tracker.live_bytes == 0
+
+
+def test_measure_step_is_steady_state():
+    torch.manual_seed(0)
+    config = TrainConfig(batch_size=2, seq_len=16)
+    model, inputs = resolve_spec("mlp-tiny").build(batch_size=2, seq_len=16)
+    first = measure_step(model, inputs, config)
+    second = measure_step(model, inputs, config)
+    assert first.peak_bytes == second.peak_bytes
+    assert first.start_bytes <= first.peak_bytes
