@@ -50,10 +50,30 @@ def _float_output_elements(out: Any) -> int:
     )
 
 
+def _cpu_flash_attention_flops(name: str, args: Any) -> int | None:
+    """CPU flash attention (the path fake CPU tensors take) is missing from torch's FLOP table:
+    forward is two batched matmuls of 2*b*h*s_q*s_kv*d FLOPs each, backward five (as the CUDA
+    flash kernels are counted by FlopCounterMode)."""
+    if name == "_scaled_dot_product_flash_attention_for_cpu":
+        q, k = args[0], args[1]
+        factor = 2
+    elif name == "_scaled_dot_product_flash_attention_for_cpu_backward":
+        q, k = args[1], args[2]
+        factor = 5
+    else:
+        return None
+    b, h, s_q, d = (int(x) for x in q.shape)
+    s_kv = int(k.shape[-2])
+    return factor * 2 * b * h * s_q * s_kv * d
+
+
 def op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
     """FLOPs of one aten op call; never raises (falls back to the output-elements rule)."""
     try:
         packet = getattr(func, "overloadpacket", func)
+        attention = _cpu_flash_attention_flops(getattr(packet, "__name__", "").split(".")[-1], args)
+        if attention is not None:
+            return attention
         formula = flop_registry.get(packet)
         if formula is not None:
             return int(formula(*(args or ()), **(kwargs or {}), out_val=out))

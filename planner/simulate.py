@@ -141,17 +141,25 @@ def _block_transients(graph: OpGraph, config: TrainConfig) -> dict[int, dict[str
 
     ZeRO-3/FSDP gathers a block's parameters for its forward and backward (one block at a time:
     prefetching the next block is not modelled) and parameters outside blocks for the ops that
-    read them; ZeRO-2+ holds a block's unsharded gradients until they are reduce-scattered.
+    read them; ZeRO-2+ holds the gradients a block has produced unsharded until the block's
+    backward ends and they are reduce-scattered (the simulator counts their sharded part).
     """
     out: dict[int, dict[str, int]] = defaultdict(lambda: {"parameter": 0, "gradient": 0})
     if config.dp == 1 or config.zero_stage < 2:
         return {}
+    unsharded = max(0.0, 1.0 - _scale(graph, config)["gradient"])
+    grad_bytes = np.zeros(len(graph.ops), dtype=np.int64)
+    for t in graph.tensors.values():
+        if t.category == "gradient" and t.alloc_op >= 0:
+            grad_bytes[t.alloc_op] += t.nbytes
     for r in graph.regions:
         if config.zero_stage >= 3:
             for i in list(range(r.fwd_start, r.fwd_end)) + list(range(r.bwd_start, r.bwd_end)):
                 out[i]["parameter"] += r.param_bytes
-        for i in range(r.bwd_start, r.bwd_end):
-            out[i]["gradient"] += r.param_bytes
+        produced = np.cumsum(grad_bytes[r.bwd_start:r.bwd_end])
+        for i, nbytes in zip(range(r.bwd_start, r.bwd_end), produced):
+            if nbytes:
+                out[i]["gradient"] += int(nbytes * unsharded)
     if config.zero_stage >= 3:
         in_region = set()
         for r in graph.regions:

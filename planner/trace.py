@@ -196,6 +196,8 @@ def _untraceable(rec: _Recorder, spec_name: str, exc: Exception) -> TraceError:
     op, module = rec.current
     where = f"{op} in module '{module or '<root>'}'" if op else "before the first op"
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if isinstance(exc, TraceError):
+        return TraceError(f"cannot trace model '{spec_name}' on fake tensors: {where}: {msg}")
     return TraceError(
         f"cannot trace model '{spec_name}' on fake tensors: {where} raised "
         f"{type(exc).__name__}: {msg[:200]}; memplan needs ops with static output shapes "
@@ -216,7 +218,7 @@ def _run(model, inputs, rec: _Recorder, precision: str, spec_name: str,
                 rec.phase = "backward"
                 rec.active.clear()
                 loss.backward()
-    except (TraceError, SpecError):
+    except SpecError:
         raise
     except Exception as exc:
         raise _untraceable(rec, spec_name, exc) from exc

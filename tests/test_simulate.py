@@ -127,12 +127,6 @@ def test_zero_sharding_never_adds_model_states():
     assert z3.peak_bytes < z1.peak_bytes
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "planner/simulate.py _block_transients: under ZeRO-2/3 every backward op of a block carries the "
-    "block's whole unsharded gradient (out[i]['gradient'] += r.param_bytes) from the block's first "
-    "backward op, before autograd has produced those gradients, on top of the traced (sharded) "
-    "gradients, so ZeRO-2 predicts a higher peak than ZeRO-1 "
-    "(llama-7b-tiny b2 s64 dp8 h100-80gb: 6299347 vs 5777043 bytes)"))
 def test_zero2_peak_not_above_zero1():
     cfg = TrainConfig(batch_size=2, seq_len=64, dp=8, gpu="h100-80gb")
     z1 = _sim("llama-7b-tiny", cfg.with_(zero_stage=1))

@@ -144,9 +144,6 @@ def test_forward_matmul_flops_match_the_2n_rule(traced):
     assert 1.8 * mm <= bwd <= 2.2 * mm
 
 
-@pytest.mark.xfail(reason="costmodels/flops.py: aten._scaled_dot_product_flash_attention_for_cpu is not in "
-                          "torch's flop_registry, so the CPU-traced SDPA op falls back to 1 FLOP per output "
-                          "element (B*H*S*D) instead of 4*B*H*S^2*D", strict=True)
 def test_attention_flops_counted(traced):
     b, s, heads, head_dim, layers = 2, 64, 4, 32, 2
     g = traced("llama-7b-tiny", b, s, "fp32")
@@ -204,9 +201,6 @@ def test_item_in_control_flow_is_a_trace_error(bad_models):
     _one_line_naming(str(info.value), "aten.", "'branch'", "item_model")
 
 
-@pytest.mark.xfail(reason="planner/trace.py: _as_int raises TraceError inside _Recorder.tid_of and _run "
-                          "re-raises TraceError unchanged, so the message ('a tensor has a data-dependent size "
-                          "(24*u0)...') names neither aten.nonzero nor the module 'gate'", strict=True)
 def test_nonzero_is_a_trace_error_naming_op_and_module(bad_models):
     with pytest.raises(TraceError) as info:
         trace(f"{bad_models}:nonzero_model", batch_size=1, seq_len=4)

@@ -1,0 +1,352 @@
+"""Why a training step does not fit a device, and what to change: verdict plus simulated remedies.
+
+`diagnose` traces the step once, simulates it and classifies it: ``oom-init`` (model states
+alone exceed the device), ``oom-iteration`` (the step's peak does), ``at-risk`` (the peak fits
+but the headroom is smaller than what PyTorch's caching allocator is expected to add) or
+``fits``. Every remedy is simulated for real (re-tracing only when shapes or precision change)
+and the list is ranked: remedies that fit first, then by added step time.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Iterator
+
+from costmodels.allocator import AllocatorEstimate, simulate_allocator
+from costmodels.hardware import get_device
+from planner.config import TrainConfig
+from planner.graph import OpGraph
+from planner.simulate import Timeline, _model_states, _scale, simulate
+
+__all__ = ["Remedy", "Diagnosis", "diagnose", "diagnose_snapshot", "diagnose_oom_message",
+           "allocator_events", "allocator_estimate", "VERDICTS"]
+
+VERDICTS = ("oom-init", "oom-iteration", "at-risk", "fits")
+PLAN_BUDGET_FRACTION = 0.95  # checkpoint/offload plans aim at 95% of the device
+MIN_FRAGMENTATION_FRACTION = 0.02  # the allocator is expected to add at least 2% of the device
+MAX_SEQ_TRACES = 6  # bound on re-traces while searching the longest fitting sequence
+MAX_BATCH_TRACES = 3  # bound on re-traces while halving the micro-batch
+ZERO_DPS = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """One change to the run, with its simulated per-device peak and added step time."""
+
+    name: str
+    description: str
+    config_changes: dict
+    peak_bytes: int
+    fits: bool
+    overhead: float  # added step time as a fraction of the current step (negative: faster)
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "config_changes": dict(self.config_changes)}
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Verdict of one step on one device, the peak's cause, the allocator estimate and remedies."""
+
+    model: str
+    config: dict
+    capacity_bytes: int
+    verdict: str
+    peak_bytes: int
+    peak_phase: str
+    peak_op: str
+    peak_module: str
+    breakdown_at_peak: dict
+    model_states: dict
+    model_state_bytes: int
+    headroom_bytes: int  # capacity - peak (negative: short by)
+    allocator: dict  # allocated/reserved peaks of the no-plan step and the expected overhead
+    expected_overhead_bytes: int
+    longest_fitting_seq_len: int | None  # oom-iteration only: longest sequence that fits (None: none)
+    remedies: tuple[Remedy, ...] = field(default=())
+    summary: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["remedies"] = [r.to_dict() for r in self.remedies]
+        return out
+
+
+# -- allocator estimate -------------------------------------------------------------------------
+def allocator_events(graph: OpGraph, config: TrainConfig) -> Iterator[tuple[int, int]]:
+    """(id, nbytes) events of the no-plan step as the simulator scales it (0 bytes frees).
+
+    Parameters, buffers and inputs exist first, then one optimizer-state block per parameter
+    (the per-device optimizer bytes split in proportion to parameter size); each storage is
+    allocated by its op and freed where the trace freed it; the optimizer step's temporary is
+    allocated and freed at the end.
+    """
+    scale = _scale(graph, config)
+    states = _model_states(graph, config)
+
+    def nbytes_of(tid: int) -> int:
+        t = graph.tensors[tid]
+        return max(1, int(t.nbytes * scale.get(t.category, 1.0)))
+
+    pre = list(graph.preexisting())
+    param_ids = [t.id for t in pre if t.category == "parameter"]
+    param_total = sum(graph.tensors[i].nbytes for i in param_ids)
+    next_id = max(graph.tensors, default=0) + 1
+    for t in pre:
+        yield t.id, nbytes_of(t.id)
+    if states.optimizer and param_total:
+        for tid in param_ids:
+            share = states.optimizer * graph.tensors[tid].nbytes // param_total
+            if share > 0:
+                yield next_id, share
+                next_id += 1
+    frees = graph.frees_by_op()
+    live: set[int] = {t.id for t in pre}
+    for op in graph.ops:
+        for tid in frees.get(op.index, ()):
+            if tid in live:
+                live.discard(tid)
+                yield tid, 0
+        for tid in op.allocs:
+            if tid not in live:
+                live.add(tid)
+                yield tid, nbytes_of(tid)
+    for tid in frees.get(len(graph.ops), ()):
+        if tid in live:
+            live.discard(tid)
+            yield tid, 0
+    if states.optimizer_step_temporary:
+        yield next_id, states.optimizer_step_temporary
+        yield next_id, 0
+
+
+def allocator_estimate(graph: OpGraph, config: TrainConfig) -> AllocatorEstimate:
+    """PyTorch caching-allocator replay of the no-plan step (peak reserved vs allocated)."""
+    return simulate_allocator(allocator_events(graph, config))
+
+
+# -- helpers --------------------------------------------------------------------------------------
+def _changes(base: TrainConfig, new: TrainConfig) -> dict:
+    a, b = base.to_dict(), new.to_dict()
+    return {k: v for k, v in b.items() if a[k] != v}
+
+
+def _relative_time(new: Timeline, base: Timeline) -> float:
+    return new.costs.step_s / base.costs.step_s - 1.0 if base.costs.step_s > 0 else 0.0
+
+
+def _smallest_peak(message: str) -> int | None:
+    m = re.search(r"\((\d+) B\)", message)
+    return int(m.group(1)) if m else None
+
+
+class _Traces:
+    """Memoised traces keyed by the shape/precision/stage fields the trace depends on."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        self._graphs: dict[tuple, OpGraph] = {}
+
+    def __call__(self, config: TrainConfig) -> OpGraph:
+        from planner.api import trace_for
+
+        key = (config.batch_size, config.seq_len, config.precision, config.zero_stage == 3)
+        if key not in self._graphs:
+            self._graphs[key] = trace_for(self.spec, config)
+        return self._graphs[key]
+
+    @property
+    def count(self) -> int:
+        return len(self._graphs)
+
+
+def _longest_seq(traces: _Traces, config: TrainConfig, capacity: int) -> int | None:
+    """Longest seq_len <= config.seq_len that fits: binary search over halvings, then bisection."""
+    def fits(seq: int) -> bool:
+        c = config.with_(seq_len=seq)
+        return simulate(traces(c), c).peak_bytes <= capacity
+
+    exps = []
+    s = config.seq_len // 2
+    while s >= 1:
+        exps.append(s)  # descending
+        s //= 2
+    if not exps:
+        return None
+    if not fits(exps[-1]):
+        return None
+    used, best_i = 1, len(exps) - 1
+    lo, hi = 0, best_i - 1  # find the smallest index (longest seq) that fits
+    while lo <= hi and used < MAX_SEQ_TRACES:
+        mid = (lo + hi) // 2
+        used += 1
+        if fits(exps[mid]):
+            best_i, hi = mid, mid - 1
+        else:
+            lo = mid + 1
+    best = exps[best_i]
+    upper = exps[best_i - 1] if best_i > 0 else config.seq_len  # known (or assumed) not to fit
+    step = 8 if best >= 64 else 1
+    while used < MAX_SEQ_TRACES and upper - best > step:
+        mid = (best + upper) // 2 // step * step
+        if mid <= best:
+            break
+        used += 1
+        if fits(mid):
+            best = mid
+        else:
+            upper = mid
+    return best
+
+
+# -- remedies -------------------------------------------------------------------------------------
+def _remedies(traces: _Traces, config: TrainConfig, base: Timeline, verdict: str,
+              capacity: int, time_limit_s: float) -> list[Remedy]:
+    from planner.planning import solve
+    from planner.solve import InfeasibleBudget
+
+    device = get_device(config.gpu)
+    graph = traces(config)
+    out: list[Remedy] = []
+
+    def simulated(name: str, description: str, new: TrainConfig, note: str = "") -> Remedy:
+        tl = simulate(traces(new), new)
+        return Remedy(name, description, _changes(config, new), tl.peak_bytes, tl.peak_bytes <= capacity,
+                      _relative_time(tl, base), note)
+
+    if config.precision == "fp32" and verdict != "oom-init":  # fp32 master weights: states do not shrink
+        out.append(simulated("mixed precision", "train in bf16 autocast with fp32 master weights",
+                             config.with_(precision="bf16-mixed"),
+                             "activations in bf16; parameter, gradient and Adam states stay fp32"))
+    if config.optimizer == "adamw":
+        out.append(simulated("8-bit optimizer", "keep AdamW states in 8 bits (bitsandbytes AdamW8bit)",
+                             config.with_(optimizer="adamw-8bit"), "optimizer states shrink 4x"))
+    if config.zero_stage < 3 or config.dp == 1:
+        dps = ZERO_DPS if config.dp == 1 else (config.dp, config.dp * 2, config.dp * 4)
+    else:
+        dps = (config.dp * 2, config.dp * 4, config.dp * 8)
+    best: Remedy | None = None
+    for dp in dps:
+        new = config.with_(zero_stage=3, dp=dp)
+        r = simulated("ZeRO-3 / FSDP", f"shard parameters, gradients and optimizer states over {dp} GPUs",
+                      new, f"needs {dp} GPUs; all-gather/reduce-scatter traffic is not in the time cost")
+        r = replace(r, overhead=max(0.0, r.overhead))  # a sharded optimizer step is not a speed-up to sell
+        best = r
+        if r.fits:
+            break
+    if best is not None:
+        out.append(best)
+    if verdict != "oom-init":
+        budget = int(capacity * PLAN_BUDGET_FRACTION)
+        targets = [(None, "checkpoint plan", "recompute what the solver picks (memplan plan)")]
+        if device.is_cuda:
+            targets.append(("cpu", "offload plan", "recompute or offload to host memory (memplan plan --offload cpu)"))
+        for offload, name, description in targets:
+            changes = {"plan": "optimal" if offload is None else f"optimal, offload {offload}",
+                       "budget_bytes": budget}
+            try:
+                plan = solve(graph, config, budget, offload=offload, time_limit_s=time_limit_s)
+            except InfeasibleBudget as exc:
+                peak = _smallest_peak(str(exc))
+                out.append(Remedy(name, description, changes, peak if peak is not None else base.peak_bytes,
+                                  False, 0.0, "no plan reaches 95% of the device; the peak is the smallest reachable"))
+                continue
+            p = plan.predicted
+            note = f"{len(plan.decisions)} decisions"
+            if p.offload_bytes:
+                note += f"; offloads {p.offload_bytes} B per step"
+            out.append(Remedy(name, description, changes, p.peak_bytes, p.peak_bytes <= capacity,
+                              p.overhead, note))
+        if config.batch_size > 1:
+            batch, r = config.batch_size, None
+            for _ in range(MAX_BATCH_TRACES):
+                batch //= 2
+                if batch < 1:
+                    break
+                steps = -(-config.batch_size // batch)
+                new = config.with_(batch_size=batch)
+                tl = simulate(traces(new), new)
+                r = Remedy("gradient accumulation", f"micro-batch {batch} with {steps} accumulation steps",
+                           {"batch_size": batch, "accumulation_steps": steps}, tl.peak_bytes,
+                           tl.peak_bytes <= capacity, 0.0,
+                           f"same samples per optimizer step in {steps} micro-steps; smaller matmuls may run less efficiently")
+                if r.fits:
+                    break
+            if r is not None:
+                out.append(r)
+    out.sort(key=lambda r: (not r.fits, r.overhead, r.peak_bytes))
+    return out
+
+
+# -- entry points -----------------------------------------------------------------------------------
+def diagnose(spec: str, config: TrainConfig, *, remedies: bool = True, time_limit_s: float = 10.0) -> Diagnosis:
+    """Trace and simulate one step of `spec` under `config` on `config.gpu`, classify it, rank remedies."""
+    capacity = get_device(config.gpu).memory_bytes
+    traces = _Traces(spec)
+    graph = traces(config)
+    tl = simulate(graph, config)
+    states = sum(tl.model_states.values())
+    estimate = allocator_estimate(graph, config)
+    fragmentation = max(estimate.peak_reserved_bytes - estimate.peak_allocated_bytes, 0)
+    expected = max(fragmentation, int(capacity * MIN_FRAGMENTATION_FRACTION))
+    headroom = capacity - tl.peak_bytes
+    if states > capacity:
+        verdict = "oom-init"
+    elif tl.peak_bytes > capacity:
+        verdict = "oom-iteration"
+    elif headroom < expected:
+        verdict = "at-risk"
+    else:
+        verdict = "fits"
+    longest = _longest_seq(traces, config, capacity) if verdict == "oom-iteration" else None
+    found = _remedies(traces, config, tl, verdict, capacity, time_limit_s) if remedies and verdict != "fits" else []
+    allocator = {
+        "peak_allocated_bytes": estimate.peak_allocated_bytes,
+        "peak_reserved_bytes": estimate.peak_reserved_bytes,
+        "fragmentation_bytes": fragmentation,
+        "fragmentation_headroom": (fragmentation / estimate.peak_reserved_bytes
+                                   if estimate.peak_reserved_bytes else 0.0),
+        "expected_reserved_bytes": tl.peak_bytes + expected,
+    }
+    return Diagnosis(
+        model=spec, config=config.to_dict(), capacity_bytes=capacity, verdict=verdict,
+        peak_bytes=tl.peak_bytes, peak_phase=tl.peak_phase, peak_op=tl.peak_op, peak_module=tl.peak_module,
+        breakdown_at_peak=dict(tl.breakdown_at_peak), model_states=dict(tl.model_states),
+        model_state_bytes=states, headroom_bytes=headroom, allocator=allocator,
+        expected_overhead_bytes=expected, longest_fitting_seq_len=longest, remedies=tuple(found),
+        summary=_summary(verdict, spec, config, tl, states, capacity, expected, longest),
+    )
+
+
+def _summary(verdict: str, spec: str, config: TrainConfig, tl: Timeline, states: int, capacity: int,
+             expected: int, longest: int | None) -> str:
+    from planner.report import format_bytes as fb
+
+    where = f"{tl.peak_phase} at {tl.peak_op} (module '{tl.peak_module or '<root>'}')"
+    if verdict == "oom-init":
+        return (f"out of memory before the first step: model states need {fb(states)} per device, "
+                f"more than the {fb(capacity)} of {config.gpu}")
+    if verdict == "oom-iteration":
+        tail = (f"; the longest sequence that fits is {longest}" if longest
+                else "; no sequence length fits at this batch size")
+        return f"out of memory during the step: peak {fb(tl.peak_bytes)} in {where} exceeds {fb(capacity)}{tail}"
+    if verdict == "at-risk":
+        return (f"fits with {fb(capacity - tl.peak_bytes)} headroom, less than the allocator's expected "
+                f"overhead {fb(expected)}: a real run may OOM (peak in {where})")
+    return f"fits: peak {fb(tl.peak_bytes)} in {where}, headroom {fb(capacity - tl.peak_bytes)}"
+
+
+def diagnose_snapshot(path: str):
+    """Read and analyse a CUDA caching-allocator snapshot file (planner.snapshot.SnapshotReport)."""
+    from planner.snapshot import read_snapshot
+
+    return read_snapshot(path)
+
+
+def diagnose_oom_message(text: str):
+    """Explain a CUDA out-of-memory message (planner.oom_message.OomExplanation)."""
+    from planner.oom_message import explain_oom_message
+
+    return explain_oom_message(text)

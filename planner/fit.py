@@ -1,0 +1,211 @@
+"""How many GPUs a step needs, and how large a batch or sequence fits on a given number of them.
+
+`fit` searches the ZeRO-3 data-parallel degree: model states shrink with dp, activations do not.
+One trace serves every dp (a ZeRO-3 trace does not depend on dp); each dp is a simulation, and the
+solver runs only where a full-recompute baseline cannot already prove that a plan exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from costmodels.hardware import get_device
+from planner.config import TrainConfig
+from planner.graph import OpGraph
+from planner.simulate import simulate
+
+__all__ = ["FitResult", "fit", "largest_fitting", "RESERVE"]
+
+RESERVE = 0.05  # fraction of the device kept free for the allocator and the CUDA context
+MAX_SIZE_TRACES = 12  # bound on traces per dimension in largest_fitting
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """Smallest GPU counts (ZeRO-3 dp) on which one step fits, without and with a plan."""
+
+    min_gpus_without_plan: int | None
+    min_gpus_with_plan: int | None
+    without_plan: dict | None  # peak_bytes, breakdown_at_peak, model_states at that count
+    with_plan: dict | None  # peak_bytes, overhead, breakdown_at_peak, model_states, decisions
+    config: dict
+    budget_bytes: int = 0
+    capacity_bytes: int = 0
+    max_gpus: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"min_gpus_without_plan": self.min_gpus_without_plan,
+                "min_gpus_with_plan": self.min_gpus_with_plan,
+                "without_plan": self.without_plan, "with_plan": self.with_plan, "config": dict(self.config),
+                "budget_bytes": self.budget_bytes, "capacity_bytes": self.capacity_bytes,
+                "max_gpus": self.max_gpus}
+
+
+class _Checker:
+    """Fits-without-plan and fits-with-plan tests of one graph, memoised per config."""
+
+    def __init__(self, graph: OpGraph, budget: int, time_limit_s: float) -> None:
+        self.graph, self.budget, self.time_limit_s = graph, budget, time_limit_s
+        self._bare: dict[TrainConfig, Any] = {}
+        self._plan: dict[TrainConfig, Any] = {}
+
+    def bare(self, config: TrainConfig):
+        if config not in self._bare:
+            self._bare[config] = simulate(self.graph, config)
+        return self._bare[config]
+
+    def fits(self, config: TrainConfig) -> bool:
+        return self.bare(config).peak_bytes <= self.budget
+
+    def plan_fits(self, config: TrainConfig) -> bool:
+        """A plan exists: the step fits as is, full recompute fits, or the solver finds one."""
+        from planner.solve import strategy_choices
+
+        if self.fits(config):
+            return True
+        states = self.bare(config).model_states
+        if sum(states.values()) > self.budget:
+            return False
+        if simulate(self.graph, config, choices=strategy_choices(self.graph, "full")).peak_bytes <= self.budget:
+            return True
+        return self.plan(config) is not None
+
+    def plan(self, config: TrainConfig):
+        """The optimal plan under the budget (None when infeasible)."""
+        from planner.planning import solve
+        from planner.solve import InfeasibleBudget
+
+        if config not in self._plan:
+            try:
+                self._plan[config] = solve(self.graph, config, self.budget, time_limit_s=self.time_limit_s)
+            except InfeasibleBudget:
+                self._plan[config] = None
+            except ValueError:  # the solver ran out of time: fall back to full recompute if it fits
+                try:
+                    self._plan[config] = solve(self.graph, config, self.budget, strategy="full")
+                except InfeasibleBudget:
+                    self._plan[config] = None
+        return self._plan[config]
+
+    def bare_dict(self, config: TrainConfig) -> dict:
+        tl = self.bare(config)
+        return {"peak_bytes": tl.peak_bytes, "peak_phase": tl.peak_phase, "peak_op": tl.peak_op,
+                "breakdown_at_peak": dict(tl.breakdown_at_peak), "model_states": dict(tl.model_states),
+                "step_s": tl.costs.step_s}
+
+    def plan_dict(self, config: TrainConfig) -> dict | None:
+        plan = self.plan(config)
+        if plan is None:
+            return None
+        tl = simulate(self.graph, config, plan=plan)
+        return {"peak_bytes": tl.peak_bytes, "overhead": plan.predicted.overhead,
+                "recompute_flops": plan.predicted.recompute_flops, "decisions": len(plan.decisions),
+                "peak_phase": tl.peak_phase, "peak_op": tl.peak_op,
+                "breakdown_at_peak": dict(tl.breakdown_at_peak), "model_states": dict(tl.model_states),
+                "step_s": tl.costs.step_s}
+
+
+def _smallest(ok: Callable[[int], bool], limit: int) -> int | None:
+    """Smallest n in 1..limit with ok(n), assuming monotone: powers of two, then bisection."""
+    previous, n = 0, 1
+    while True:
+        n = min(n, limit)
+        if ok(n):
+            break
+        if n == limit:
+            return None
+        previous, n = n, n * 2
+    lo, hi = previous, n  # ok(hi), not ok(lo) (lo = 0: nothing below)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def fit(spec: str, config: TrainConfig, max_gpus: int = 4096, *, reserve: float = RESERVE,
+        time_limit_s: float = 10.0) -> FitResult:
+    """Smallest ZeRO-3 data-parallel degree on which a step fits `config.gpu`, without and with a plan."""
+    from planner.api import trace_for
+
+    if not isinstance(max_gpus, int) or max_gpus < 1:
+        raise ValueError(f"max gpus must be a positive integer, got {max_gpus!r}")
+    if not 0 <= reserve < 1:
+        raise ValueError(f"reserve must be a fraction in [0, 1), got {reserve}")
+    capacity = get_device(config.gpu).memory_bytes
+    budget = int(capacity * (1 - reserve))
+    base = config.with_(zero_stage=3, dp=1)
+    check = _Checker(trace_for(spec, base), budget, time_limit_s)
+
+    def at(dp: int) -> TrainConfig:
+        return config.with_(zero_stage=3, dp=dp)
+
+    without = _smallest(lambda n: check.fits(at(n)), max_gpus)
+    limit = without if without is not None else max_gpus
+    with_plan = _smallest(lambda n: check.plan_fits(at(n)), limit)
+    return FitResult(
+        min_gpus_without_plan=without, min_gpus_with_plan=with_plan,
+        without_plan=check.bare_dict(at(without)) if without is not None else None,
+        with_plan=check.plan_dict(at(with_plan)) if with_plan is not None else None,
+        config={**config.to_dict(), "model": spec, "zero_stage": 3},
+        budget_bytes=budget, capacity_bytes=capacity, max_gpus=max_gpus,
+    )
+
+
+def _largest(ok: Callable[[int], bool], max_traces: int) -> int | None:
+    """Largest power of two n >= 1 with ok(n), trying at most max_traces sizes (None: not even 1)."""
+    best, n = None, 1
+    for _ in range(max_traces):
+        if not ok(n):
+            break
+        best, n = n, n * 2
+    return best
+
+
+def largest_fitting(spec: str, config: TrainConfig, gpus: int, *, reserve: float = RESERVE,
+                    time_limit_s: float = 10.0, max_traces: int = MAX_SIZE_TRACES) -> dict:
+    """Largest micro-batch (at config.seq_len) and sequence length (at config.batch_size), powers of
+    two, that fit on `gpus` GPUs (ZeRO-3 when gpus > 1), without and with a plan."""
+    from planner.api import trace_for
+
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
+    capacity = get_device(config.gpu).memory_bytes
+    budget = int(capacity * (1 - reserve))
+    run = config.with_(zero_stage=3, dp=gpus) if gpus > 1 else config.with_(dp=1)
+    checkers: dict[tuple[int, int], _Checker] = {}
+
+    def checker(batch: int, seq: int) -> tuple[_Checker, TrainConfig]:
+        c = run.with_(batch_size=batch, seq_len=seq)
+        if (batch, seq) not in checkers:
+            checkers[(batch, seq)] = _Checker(trace_for(spec, c), budget, time_limit_s)
+        return checkers[(batch, seq)], c
+
+    def fits(batch: int, seq: int) -> bool:
+        ch, c = checker(batch, seq)
+        return ch.fits(c)
+
+    def plan_fits(batch: int, seq: int) -> bool:
+        ch, c = checker(batch, seq)
+        return ch.plan_fits(c)
+
+    out: dict[str, Any] = {"gpus": gpus, "config": {**run.to_dict(), "model": spec},
+                           "budget_bytes": budget, "capacity_bytes": capacity}
+    for name, make in (("batch_size", lambda n: (n, config.seq_len)),
+                       ("seq_len", lambda n: (config.batch_size, n))):
+        bare = _largest(lambda n: fits(*make(n)), max_traces)
+        planned = _largest(lambda n: plan_fits(*make(n)), max_traces)
+        entry: dict[str, Any] = {"without_plan": bare, "with_plan": planned}
+        if bare is not None:
+            ch, c = checker(*make(bare))
+            entry["without_plan_peak_bytes"] = ch.bare(c).peak_bytes
+        if planned is not None:
+            ch, c = checker(*make(planned))
+            d = ch.plan_dict(c) if not ch.fits(c) else {"peak_bytes": ch.bare(c).peak_bytes, "overhead": 0.0}
+            entry["with_plan_peak_bytes"] = d["peak_bytes"]
+            entry["with_plan_overhead"] = d["overhead"]
+        out[f"largest_{name}"] = entry
+    return out
