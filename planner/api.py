@@ -120,3 +120,25 @@ def check_plan_for_spec(spec: str, config: TrainConfig, plan_path: str) -> str:
                      + f"; predicted peak {p.predicted.peak_bytes} B, overhead {p.predicted.overhead * 100:.1f}%")
     lines.append("apply it in your training script with: handle = planner.apply_plan(model, 'PLAN.json')")
     return "\n".join(lines)
+
+
+def _simulate_dict(args: tuple[str, TrainConfig, str | None]) -> dict:
+    spec, config, plan = args
+    torch.set_num_threads(1)
+    return simulate_model(spec, config, plan).to_dict()
+
+
+def simulate_sweep(spec: str, configs: list[TrainConfig], plan: str | None = None,
+                   workers: int | None = None) -> list[dict]:
+    """Simulate several configs (a sequence-length sweep), tracing them in parallel processes."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    workers = min(len(configs), workers or os.cpu_count() or 1)
+    jobs = [(spec, c, plan) for c in configs]
+    if workers <= 1 or len(configs) <= 1:
+        return [_simulate_dict(j) for j in jobs]
+    resolve_spec(spec)  # fail fast, in this process, on an unknown spec
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        return list(pool.map(_simulate_dict, jobs))

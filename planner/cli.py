@@ -53,7 +53,8 @@ def _add_model_options(p: argparse.ArgumentParser, sweep: bool = True, default_g
     p.add_argument("--model", required=True, help="preset name, PATH.py:FUNC, package.module:FUNC or hf:PATH/config.json")
     p.add_argument("--batch-size", type=_positive_int, default=1)
     p.add_argument("--seq-len", type=_seq_lens if sweep else _positive_int, default=[512] if sweep else 512,
-                   help="sequence length" + (" (or a comma list for a sweep)" if sweep else ""))
+                   help="sequence length" + (" (a comma list: a sweep for simulate/verify, one plan per "
+                                             "bucket for plan)" if sweep else ""))
     p.add_argument("--gpu", default=default_gpu, help="target device: " + ", ".join(DEVICES))
     p.add_argument("--precision", default="fp32", help="one of: " + ", ".join(PRECISIONS))
     p.add_argument("--optimizer", default="adamw", help="one of: " + ", ".join(OPTIMIZERS))
@@ -76,7 +77,7 @@ def _write_json(path: str | None, payload: dict) -> None:
 
 # -- subcommands -------------------------------------------------------------------------------
 def cmd_simulate(args) -> None:
-    from planner.api import simulate_model
+    from planner.api import simulate_model, simulate_sweep
 
     capacity = get_device(args.gpu).memory_bytes
     if len(args.seq_len) == 1:
@@ -87,7 +88,7 @@ def cmd_simulate(args) -> None:
             report.plot_timeline(result, args.plot, capacity)
             print(f"wrote {args.plot}")
         return
-    results = [simulate_model(args.model, _config(args, s), args.plan).to_dict() for s in args.seq_len]
+    results = simulate_sweep(args.model, [_config(args, s) for s in args.seq_len], args.plan)
     fitting = [s for s, r in zip(args.seq_len, results) if r["peak_bytes"] <= capacity]
     rows = [[s, report.format_bytes(r["peak_bytes"]), r["peak_phase"], r["peak_op"],
              "yes" if r["peak_bytes"] <= capacity else "no"] for s, r in zip(args.seq_len, results)]

@@ -335,7 +335,7 @@ def _summary(verdict: str, spec: str, config: TrainConfig, tl: Timeline, states:
     if verdict == "at-risk":
         return (f"fits with {fb(capacity - tl.peak_bytes)} headroom, less than the allocator's expected "
                 f"overhead {fb(expected)}: a real run may OOM (peak in {where})")
-    return f"fits: peak {fb(tl.peak_bytes)} in {where}, headroom {fb(capacity - tl.peak_bytes)}"
+    return f"peak {fb(tl.peak_bytes)} in {where} leaves {fb(capacity - tl.peak_bytes)} headroom"
 
 
 def diagnose_snapshot(path: str):

@@ -177,6 +177,7 @@ def largest_fitting(spec: str, config: TrainConfig, gpus: int, *, reserve: float
     budget = int(capacity * (1 - reserve))
     run = config.with_(zero_stage=3, dp=gpus) if gpus > 1 else config.with_(dp=1)
     checkers: dict[tuple[int, int], _Checker] = {}
+    limits: dict[str, str] = {}
 
     def checker(batch: int, seq: int) -> tuple[_Checker, TrainConfig]:
         c = run.with_(batch_size=batch, seq_len=seq)
@@ -184,21 +185,21 @@ def largest_fitting(spec: str, config: TrainConfig, gpus: int, *, reserve: float
             checkers[(batch, seq)] = _Checker(trace_for(spec, c), budget, time_limit_s)
         return checkers[(batch, seq)], c
 
-    def fits(batch: int, seq: int) -> bool:
-        ch, c = checker(batch, seq)
-        return ch.fits(c)
-
-    def plan_fits(batch: int, seq: int) -> bool:
-        ch, c = checker(batch, seq)
-        return ch.plan_fits(c)
+    def test(batch: int, seq: int, with_plan: bool, name: str) -> bool:
+        try:
+            ch, c = checker(batch, seq)
+        except ValueError as exc:  # the model cannot take this shape (e.g. more positions than it has)
+            limits[name] = " ".join(str(exc).split())
+            return False
+        return ch.plan_fits(c) if with_plan else ch.fits(c)
 
     out: dict[str, Any] = {"gpus": gpus, "config": {**run.to_dict(), "model": spec},
                            "budget_bytes": budget, "capacity_bytes": capacity}
     for name, make in (("batch_size", lambda n: (n, config.seq_len)),
                        ("seq_len", lambda n: (config.batch_size, n))):
-        bare = _largest(lambda n: fits(*make(n)), max_traces)
-        planned = _largest(lambda n: plan_fits(*make(n)), max_traces)
-        entry: dict[str, Any] = {"without_plan": bare, "with_plan": planned}
+        bare = _largest(lambda n: test(*make(n), False, name), max_traces)
+        planned = _largest(lambda n: test(*make(n), True, name), max_traces)
+        entry: dict[str, Any] = {"without_plan": bare, "with_plan": planned, "limited_by": limits.get(name)}
         if bare is not None:
             ch, c = checker(*make(bare))
             entry["without_plan_peak_bytes"] = ch.bare(c).peak_bytes
