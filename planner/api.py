@@ -32,8 +32,9 @@ def plan_for_config(plan: Plan | PlanLadder | str | Path | None, seq_len: int) -
 
 def simulate_model(spec: str, config: TrainConfig, plan: Plan | PlanLadder | str | None = None) -> Timeline:
     """Trace a spec at the config's shapes and simulate one step (under a plan, if given)."""
-    graph = trace_for(spec, config)
-    timeline = simulate(graph, config, plan=plan_for_config(plan, config.seq_len))
+    chosen = plan_for_config(plan, config.seq_len)
+    graph = trace_for(spec, config, lifetimes=chosen is not None)
+    timeline = simulate(graph, config, plan=chosen)
     timeline.config["model"] = spec
     return timeline
 
@@ -81,10 +82,10 @@ def verify_model(spec: str, config: TrainConfig, plan: Plan | PlanLadder | str |
                         config.to_dict(), plan_path)
 
 
-def trace_for(spec: str, config: TrainConfig):
+def trace_for(spec: str, config: TrainConfig, lifetimes: bool = True):
     """The trace a config needs (ZeRO-3 traces parameters as FSDP gathers them)."""
     return trace(spec, batch_size=config.batch_size, seq_len=config.seq_len, precision=config.precision,
-                 gathered_params=config.zero_stage == 3)
+                 gathered_params=config.zero_stage == 3, lifetimes=lifetimes)
 
 
 def plan_model(spec: str, config: TrainConfig, budget_bytes: int, *, strategy: str = "optimal",

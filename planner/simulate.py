@@ -211,6 +211,8 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
     """Simulate one training step of a traced graph, optionally under a plan (or span choices)."""
     if plan is not None:
         choices = list(choices) + choices_from_decisions(graph, plan.decisions)
+    if choices and not graph.meta.get("natural_lifetimes", True):
+        raise ValueError("this trace was made with lifetimes=False; trace again with lifetimes=True to simulate a plan")
     config = config or TrainConfig(batch_size=graph.meta.get("batch_size", 1),
                                    seq_len=graph.meta.get("seq_len", 1))
     device = get_device(config.gpu)

@@ -253,8 +253,12 @@ def _regions(model: nn.Module, ops: list[OpNode], backward_start: int,
 
 
 def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp32",
-                name: str = "model") -> OpGraph:
-    """Trace a model whose parameters and inputs are fake tensors of the active FakeTensorMode."""
+                name: str = "model", lifetimes: bool = True) -> OpGraph:
+    """Trace a model whose parameters and inputs are fake tensors of the active FakeTensorMode.
+
+    `lifetimes=False` skips the second forward (natural lifetimes): enough to simulate without a
+    plan, not to plan.
+    """
     params = [p for p in model.parameters()]
     param_dtype = str(params[0].dtype).replace("torch.", "") if params else "float32"
 
@@ -262,10 +266,12 @@ def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp3
         return sum(_as_int(p.untyped_storage().nbytes(), "a parameter") for p in m.parameters())
 
     # Pass 2 first: natural lifetimes of forward storages when nothing is saved.
-    natural = _Recorder(model, with_costs=False)
-    _register_preexisting(natural, model, inputs)
-    _run(model, inputs, natural, precision, name, (lambda t: None, _no_unpack), backward=False)
-    natural_free_by_key = _free_by_alloc_key(natural)
+    natural_free_by_key: dict[tuple[int, int], int] = {}
+    if lifetimes:
+        natural = _Recorder(model, with_costs=False)
+        _register_preexisting(natural, model, inputs)
+        _run(model, inputs, natural, precision, name, (lambda t: None, _no_unpack), backward=False)
+        natural_free_by_key = _free_by_alloc_key(natural)
 
     rec = _Recorder(model, with_costs=True)
     categories = _register_preexisting(rec, model, inputs)
@@ -284,7 +290,7 @@ def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp3
     rec.recording = False  # storages alive now outlive the step
     del loss
     ops = _phase_of_forward_ops(rec.ops, backward_start)
-    if len(natural.ops) != backward_start:
+    if lifetimes and len(natural.ops) != backward_start:
         raise TraceError(f"model '{name}' ran a different forward twice ({len(natural.ops)} vs "
                          f"{backward_start} ops); memplan needs a deterministic forward")
     alloc_key = _alloc_keys(rec)
@@ -295,10 +301,8 @@ def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp3
         if category is None:
             category = "activation" if saved_by.get(tid) else "temporary"
         natural_free = None
-        if 0 <= st.alloc_op < backward_start:
+        if lifetimes and 0 <= st.alloc_op < backward_start:
             natural_free = min(natural_free_by_key.get(alloc_key[tid], backward_start), backward_start)
-        elif category in ("activation", "temporary") and st.alloc_op < 0:
-            natural_free = None
         tensors[tid] = TensorInfo(
             tid, st.nbytes, category, st.dtype, st.shape, st.alloc_op, free_op,
             natural_free, tuple(sorted(set(saved_by.get(tid, ())))),
@@ -316,6 +320,7 @@ def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp3
         param_shapes=[tuple(_as_int(d, "a parameter") for d in p.shape) for p in params],
         param_dtype=param_dtype,
         meta={"model": name, "precision": precision, "fingerprint": model_fingerprint(model),
+              "natural_lifetimes": lifetimes,
               "num_modules": sum(1 for _ in model.modules())},
     )
 
@@ -374,7 +379,7 @@ def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def trace(spec: str | ModelSpec, *, batch_size: int = 1, seq_len: int = 512,
-          precision: str = "fp32", gathered_params: bool = False) -> OpGraph:
+          precision: str = "fp32", gathered_params: bool = False, lifetimes: bool = True) -> OpGraph:
     """Trace one forward, loss and backward of a model spec on fake CPU tensors.
 
     Nothing is allocated: a 70B model traces on a laptop. The precision decides the parameter
@@ -393,7 +398,7 @@ def trace(spec: str | ModelSpec, *, batch_size: int = 1, seq_len: int = 512,
         if param_dtype != torch.float32:
             _cast_parameters(model, param_dtype)
         model.train()
-        graph = trace_model(model, inputs, precision=traced_precision, name=model_spec.name)
+        graph = trace_model(model, inputs, precision=traced_precision, name=model_spec.name, lifetimes=lifetimes)
         graph.meta["precision"] = precision
     graph.meta.update(batch_size=batch_size, seq_len=seq_len)
     return graph
