@@ -1,0 +1,67 @@
+"""Test-only model builders (spec strings f"{__file__}:NAME"): activation-dominated configs.
+
+Each FUNC(batch_size=, seq_len=) returns (model, inputs) like planner.spec presets.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from planner.models import ConvNet, ConvNetConfig, GPT, GPTConfig, Llama, LlamaConfig
+
+PATH = __file__
+
+
+def _tokens(batch_size: int, seq_len: int, vocab: int):
+    return (torch.randint(0, vocab, (batch_size, seq_len)), torch.randint(0, vocab, (batch_size, seq_len)))
+
+
+def llama_small(batch_size: int, seq_len: int):
+    """Llama: vocab 64, hidden 128, 4 layers, 4 heads (2 kv heads)."""
+    config = LlamaConfig(64, 128, 256, 4, 4, 2)
+    return Llama(config), _tokens(batch_size, seq_len, 64)
+
+
+def gpt_small(batch_size: int, seq_len: int):
+    """GPT-2 shaped: vocab 64, 4 layers, 64 wide, 4 heads, 256 positions."""
+    config = GPTConfig(vocab_size=64, block_size=256, n_layer=4, n_head=4, n_embd=64)
+    return GPT(config), _tokens(batch_size, seq_len, 64)
+
+
+def resnet_small(batch_size: int, seq_len: int):
+    """ResNet-ish: 2 stages of 3 blocks, 8-16 channels; seq_len is the image side."""
+    config = ConvNetConfig(channels=(8, 16), blocks=(3, 3), num_classes=10)
+    images = torch.randn(batch_size, 3, seq_len, seq_len)
+    return ConvNet(config), (images, torch.randint(0, 10, (batch_size,)))
+
+
+class RandomBlock(nn.Module):
+    """Linear -> activation -> (norm) -> Dropout(0) with a residual."""
+
+    def __init__(self, width: int, hidden: int, act: str, norm: bool) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, hidden)
+        self.act = {"gelu": nn.GELU(), "relu": nn.ReLU(), "tanh": nn.Tanh(), "silu": nn.SiLU()}[act]
+        self.down = nn.Linear(hidden, width)
+        self.norm = nn.LayerNorm(width) if norm else nn.Identity()
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        return x + self.drop(self.norm(self.down(self.act(self.up(x)))))
+
+
+class RandomNet(nn.Module):
+    def __init__(self, width: int, blocks: list[tuple[int, str, bool]]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(RandomBlock(width, h, a, n) for h, a, n in blocks)
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).square().mean()
+
+
+def random_net(width: int, blocks: list[tuple[int, str, bool]], batch_size: int, seq_len: int):
+    return RandomNet(width, blocks), (torch.randn(batch_size, seq_len, width),)
