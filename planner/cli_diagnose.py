@@ -90,9 +90,18 @@ def _gpu_row(label: str, n: int | None, info: dict | None) -> list:
     return [label, n, _fb(info["peak_bytes"]), _fb(sum(ms.values())), _fb(act), _pct(info.get("overhead", 0.0))]
 
 
+def _size(entry: dict, key: str) -> str:
+    if entry[key] is None:
+        return "none"
+    return f">= {entry[key]}" if entry[f"{key}_at_least"] else str(entry[key])
+
+
 def cmd_fit(args, config_of, write_json) -> None:
     from planner.fit import fit, largest_fitting
 
+    for flag, value in (("--gpus", args.gpus), ("--max-gpus", args.max_gpus)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {value}")
     config = config_of(args)
     capacity = get_device(config.gpu).memory_bytes
     if args.gpus:
@@ -102,11 +111,12 @@ def cmd_fit(args, config_of, write_json) -> None:
         rows = []
         for name, fixed in (("batch_size", f"seq {config.seq_len}"), ("seq_len", f"batch {config.batch_size}")):
             e = r[f"largest_{name}"]
-            rows.append([f"largest {name.replace('_', ' ')} ({fixed})", e["without_plan"] or "none",
-                         _fb(e.get("without_plan_peak_bytes")), e["with_plan"] or "none",
+            rows.append([f"largest {name.replace('_', ' ')} ({fixed})", _size(e, "without_plan"),
+                         _fb(e.get("without_plan_peak_bytes")), _size(e, "with_plan"),
                          _fb(e.get("with_plan_peak_bytes")), _pct(e.get("with_plan_overhead"))])
         print(report.table(["", "no plan", "peak", "with plan", "peak", "time cost"], rows))
-        print("sizes are powers of two")
+        print(f"sizes tried: batch {config.batch_size} and seq {config.seq_len} times or divided by powers of two "
+              "(>=: the search stopped at its bound)")
         for name in ("batch_size", "seq_len"):
             if r[f"largest_{name}"].get("limited_by"):
                 print(f"{name.replace('_', ' ')} limited by the model: {r[f'largest_{name}']['limited_by']}")

@@ -155,20 +155,30 @@ def fit(spec: str, config: TrainConfig, max_gpus: int = 4096, *, reserve: float 
     )
 
 
-def _largest(ok: Callable[[int], bool], max_traces: int) -> int | None:
-    """Largest power of two n >= 1 with ok(n), trying at most max_traces sizes (None: not even 1)."""
-    best, n = None, 1
-    for _ in range(max_traces):
-        if not ok(n):
-            break
-        best, n = n, n * 2
-    return best
+def _largest(ok: Callable[[int], bool], start: int, max_traces: int) -> tuple[int | None, bool]:
+    """Largest size start * 2**k that passes ok (doubling up from `start` when it passes, halving
+    down to 1 when it does not), testing at most max_traces sizes; None when not even 1 passes.
+    The flag is True when the bound stopped the doubling (the true largest may be larger)."""
+    n, tried = start, 1
+    if ok(n):
+        while tried < max_traces:
+            tried += 1
+            if not ok(n * 2):
+                return n, False
+            n *= 2
+        return n, True
+    while n > 1 and tried < max_traces:
+        n, tried = n // 2, tried + 1
+        if ok(n):
+            return n, False
+    return None, False
 
 
 def largest_fitting(spec: str, config: TrainConfig, gpus: int, *, reserve: float = RESERVE,
                     time_limit_s: float = 10.0, max_traces: int = MAX_SIZE_TRACES) -> dict:
-    """Largest micro-batch (at config.seq_len) and sequence length (at config.batch_size), powers of
-    two, that fit on `gpus` GPUs (ZeRO-3 when gpus > 1), without and with a plan."""
+    """Largest micro-batch (at config.seq_len) and sequence length (at config.batch_size) that fit on
+    `gpus` GPUs (ZeRO-3 when gpus > 1), without and with a plan: the config's size times or divided
+    by powers of two."""
     from planner.api import trace_for
 
     if not isinstance(gpus, int) or gpus < 1:
@@ -195,11 +205,12 @@ def largest_fitting(spec: str, config: TrainConfig, gpus: int, *, reserve: float
 
     out: dict[str, Any] = {"gpus": gpus, "config": {**run.to_dict(), "model": spec},
                            "budget_bytes": budget, "capacity_bytes": capacity}
-    for name, make in (("batch_size", lambda n: (n, config.seq_len)),
-                       ("seq_len", lambda n: (config.batch_size, n))):
-        bare = _largest(lambda n: test(*make(n), False, name), max_traces)
-        planned = _largest(lambda n: test(*make(n), True, name), max_traces)
-        entry: dict[str, Any] = {"without_plan": bare, "with_plan": planned, "limited_by": limits.get(name)}
+    for name, start, make in (("batch_size", config.batch_size, lambda n: (n, config.seq_len)),
+                              ("seq_len", config.seq_len, lambda n: (config.batch_size, n))):
+        bare, bare_capped = _largest(lambda n: test(*make(n), False, name), start, max_traces)
+        planned, plan_capped = _largest(lambda n: test(*make(n), True, name), bare or start, max_traces)
+        entry: dict[str, Any] = {"without_plan": bare, "with_plan": planned, "limited_by": limits.get(name),
+                                 "without_plan_at_least": bare_capped, "with_plan_at_least": plan_capped}
         if bare is not None:
             ch, c = checker(*make(bare))
             entry["without_plan_peak_bytes"] = ch.bare(c).peak_bytes

@@ -94,6 +94,7 @@ class OpGraph:
     saving_ops: frozenset[int] = frozenset()  # forward ops whose autograd node saved any tensor
     _consumers: dict[int, list[int]] | None = field(default=None, repr=False, compare=False)
     _by_module: dict[str, list[int]] | None = field(default=None, repr=False, compare=False)
+    _first_bwd_use: dict[int, int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_parameters(self) -> int:
@@ -122,6 +123,16 @@ class OpGraph:
                     out.setdefault(tid, []).append(op.index)
             self._consumers = out
         return self._consumers
+
+    def first_backward_use(self) -> dict[int, int]:
+        """Storage -> the first backward op that reads it (computed once)."""
+        if self._first_bwd_use is None:
+            out: dict[int, int] = {}
+            for op in self.ops[self.backward_start:]:
+                for tid in op.inputs:
+                    out.setdefault(tid, op.index)
+            self._first_bwd_use = out
+        return self._first_bwd_use
 
     def ops_in_module(self, path: str) -> list[int]:
         """Indices of ops run inside a module (or its submodules), in order (indexed once)."""

@@ -17,7 +17,7 @@ import numpy as np
 from costmodels.hardware import DeviceSpec
 from costmodels.runtime import transfer_time_s
 from planner.graph import OpGraph
-from planner.schedule import ModuleSpan, SpanChoice, dropped_tensors, module_span, recompute_ops
+from planner.schedule import ModuleSpan, SpanChoice, dropped_tensors, module_span, recompute_ops, reload_op
 
 __all__ = ["BlockOption", "OptionEffect", "attention_core_choice", "block_options", "option_effect"]
 
@@ -64,14 +64,21 @@ def option_effect(graph: OpGraph, choice: SpanChoice, times: np.ndarray, device:
     span = choice.span
     b = span.bwd_start
     dropped = dropped_tensors(graph, span, choice.keep_ops)
-    lo, hi = span.fwd_start, b
-    delta = np.zeros(hi - lo, dtype=np.int64)
+    gone: list[tuple[int, int, int]] = []  # (from, until, bytes) a dropped storage is absent
     for tid in dropped:
         t = graph.tensors[tid]
         start = t.natural_free_op if t.natural_free_op is not None else graph.backward_start
-        end = b if (t.free_op is not None and t.free_op > b) else (t.free_op or b)
+        if choice.mode == "offload":
+            back = reload_op(graph, tid, span)
+            end = back if back is not None else (t.free_op or b)
+        else:
+            end = b if (t.free_op is not None and t.free_op > b) else (t.free_op or b)
         if end > start:
-            delta[start - lo:end - lo] -= _nbytes(graph, tid, scale)
+            gone.append((start, end, _nbytes(graph, tid, scale)))
+    lo, hi = span.fwd_start, max([b] + [end for _, end, _ in gone])
+    delta = np.zeros(hi - lo, dtype=np.int64)
+    for start, end, nbytes in gone:
+        delta[start - lo:end - lo] -= nbytes
     for i in choice.keep_ops:
         for tid in graph.ops[i].allocs:
             t = graph.tensors[tid]
@@ -83,8 +90,8 @@ def option_effect(graph: OpGraph, choice: SpanChoice, times: np.ndarray, device:
         replay_peak = 0  # the reloaded storages only return what the drops took away
         tx = transfer_time_s(nbytes, device, choice.target)
         fwd_s = float(times[span.fwd_start:span.fwd_end].sum())
-        bwd_s = float(times[span.bwd_start:span.bwd_end].sum())
-        cost = max(0.0, tx - fwd_s) + max(0.0, tx - bwd_s)
+        # the store overlaps the block's forward; the load is on the critical path (no prefetch)
+        cost = max(0.0, tx - fwd_s) + tx
         return OptionEffect(lo, hi, delta, b, replay_peak, cost, 0, nbytes)
     live = peak = 0
     local: dict[int, int] = {}

@@ -2,7 +2,7 @@
 blocks of a CNN.
 
 A *block container* is an `nn.ModuleList` or `nn.Sequential` with at least two children that own
-parameters. The blocks are the children of the outermost block containers; when every child of a
+parameters and are composite or repeated. The blocks are the children of the outermost block containers; when every child of a
 container is itself a block container and the children differ (the stages of a ResNet), the
 blocks are one level further down.
 """
@@ -30,9 +30,18 @@ def _owns_parameters(module: nn.Module) -> bool:
 
 
 def _is_block_container(module: nn.Module) -> bool:
+    """Two or more parameter-owning children that are blocks (have submodules) or repeat.
+
+    A stem like Sequential(conv, bn, relu) is not: its children are single, different layers.
+    """
     if not isinstance(module, _CONTAINERS):
         return False
-    return sum(_owns_parameters(child) for child in module.children()) >= 2
+    children = [child for child in module.children() if _owns_parameters(child)]
+    if len(children) < 2:
+        return False
+    signatures = [module_signature(child) for child in children]
+    composite = any(True for child in children for _ in child.children())
+    return composite or len(set(signatures)) < len(signatures)
 
 
 def _blocks_of(path: str, container: nn.Module) -> list[str]:

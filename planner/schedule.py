@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 from planner.graph import OpGraph
 
 __all__ = ["SpanChoice", "ModuleSpan", "module_span", "op_keys", "dropped_tensors", "choices_from_decisions",
-           "recompute_ops"]
+           "recompute_ops", "reload_op"]
 
 
 @dataclass(frozen=True)
@@ -139,3 +139,14 @@ def recompute_ops(graph: OpGraph, span: ModuleSpan, keep_ops: frozenset[int], dr
     saving = [i for i in range(span.fwd_start, span.fwd_end) if i in graph.saving_ops]
     stop = max(saving) + 1 if saving else span.fwd_end
     return [i for i in range(span.fwd_start, stop) if i not in keep_ops]
+
+
+def reload_op(graph: OpGraph, tid: int, span: ModuleSpan) -> int | None:
+    """Where an offloaded storage comes back: autograd unpacks it when the backward node that
+    needs it runs (the first backward op reading it), and frees it when that node is done.
+    None when it is freed before the span's backward (nothing to bring back)."""
+    t = graph.tensors[tid]
+    if t.free_op is None or t.free_op <= span.bwd_start:
+        return None
+    use = graph.first_backward_use().get(tid, t.free_op - 1)
+    return min(max(use, span.bwd_start), t.free_op - 1)

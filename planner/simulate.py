@@ -22,7 +22,7 @@ from costmodels.memory import ModelStates, get_precision, model_state_bytes
 from costmodels.runtime import op_time_s, transfer_time_s
 from planner.config import TrainConfig
 from planner.graph import CATEGORIES, OpGraph
-from planner.schedule import SpanChoice, choices_from_decisions, dropped_tensors, recompute_ops
+from planner.schedule import SpanChoice, choices_from_decisions, dropped_tensors, recompute_ops, reload_op
 
 __all__ = ["Timeline", "StepCosts", "simulate", "op_times"]
 
@@ -183,27 +183,21 @@ def _model_states(graph: OpGraph, config: TrainConfig) -> ModelStates:
 
 def _offload_exposure(graph: OpGraph, times: np.ndarray, device: DeviceSpec,
                       offloads: list[tuple[SpanChoice, int]]) -> float:
-    """Seconds of offload traffic not hidden behind compute: one copy engine each way.
+    """Seconds of offload traffic not hidden behind compute.
 
-    Stores start when a span's forward ends and must finish by the end of forward; loads for a
-    span start when the backward of the span before it (in backward order) starts and must finish
-    before the span's backward begins.
+    Stores run on a copy stream from the end of a span's forward and only stall the step if
+    they have not finished when forward ends; loads happen when autograd unpacks a tensor (no
+    prefetch), so every load is on the critical path.
     """
     if not offloads:
         return 0.0
     clock = np.concatenate([[0.0], np.cumsum(times)])  # clock[i] = start time of op i
-    exposed, link = 0.0, 0.0
+    link = 0.0
     for choice, nbytes in sorted(offloads, key=lambda x: x[0].span.fwd_end):
         link = max(link, clock[choice.span.fwd_end]) + transfer_time_s(nbytes, device, choice.target)
-    exposed += max(0.0, link - clock[graph.backward_start])
-    link = clock[graph.backward_start]
-    ordered = sorted(offloads, key=lambda x: x[0].span.bwd_start)
-    previous_start = graph.backward_start
-    for choice, nbytes in ordered:
-        link = max(link, clock[previous_start]) + transfer_time_s(nbytes, device, choice.target)
-        exposed += max(0.0, link - clock[choice.span.bwd_start])
-        previous_start = choice.span.bwd_start
-    return exposed
+    stores = max(0.0, link - clock[graph.backward_start])
+    loads = sum(transfer_time_s(nbytes, device, choice.target) for choice, nbytes in offloads)
+    return stores + loads
 
 
 def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
@@ -233,6 +227,7 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
     frees: dict[int, list[tuple[str, int]]] = defaultdict(list)  # op -> (category, bytes)
     moved: set[int] = set()
     inserts: dict[int, list[tuple[SpanChoice, list[int]]]] = defaultdict(list)
+    reloads: dict[int, list[tuple[str, int]]] = defaultdict(list)  # op -> storages brought back before it
     recompute_flops, recompute_s, offloads = 0, 0.0, []
     for choice in choices:
         dropped = dropped_tensors(graph, choice.span, choice.keep_ops)
@@ -247,13 +242,19 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
                 if t.free_op is not None and t.free_op < choice.span.bwd_start:
                     frees[choice.span.bwd_start].append((t.category, nbytes_of(tid)))
                     moved.add(tid)
-        inserts[choice.span.bwd_start].append((choice, dropped))
         if choice.mode == "recompute":
+            inserts[choice.span.bwd_start].append((choice, dropped))
             redo = recompute_ops(graph, choice.span, choice.keep_ops, dropped)
             recompute_flops += sum(graph.ops[i].flops for i in redo)
             recompute_s += float(times[redo].sum()) if redo else 0.0
         else:
             offloads.append((choice, sum(graph.tensors[t].nbytes for t in dropped)))
+            for tid in dropped:
+                at = reload_op(graph, tid, choice.span)
+                if at is not None:
+                    t = graph.tensors[tid]
+                    reloads[at].append((t.category, nbytes_of(tid)))
+                    frees[t.free_op].append((t.category, nbytes_of(tid)))
     for t in graph.tensors.values():
         if t.id not in moved and t.free_op is not None:
             frees[t.free_op].append((t.category, nbytes_of(t.id)))
@@ -263,6 +264,8 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
             mem.add(category, -nbytes)
         for choice, dropped in inserts.get(op.index, ()):
             _replay(graph, mem, frees, choice, dropped, nbytes_of, transients.get(op.index))
+        for category, nbytes in reloads.get(op.index, ()):
+            mem.add(category, nbytes)
         for tid in op.allocs:
             mem.add(graph.tensors[tid].category, nbytes_of(tid))
         mem.sample(op.index, op.phase, op.name, op.module, transients.get(op.index))
@@ -282,18 +285,10 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
 
 def _replay(graph: OpGraph, mem: _Memory, frees, choice: SpanChoice, dropped: list[int],
             nbytes_of, extra: dict[str, int] | None) -> None:
-    """Re-create a span's dropped storages just before its backward: recompute or reload."""
+    """Re-run a recomputed span's forward just before its backward, re-creating what it dropped."""
     span = choice.span
     keep = set(dropped)
-    label = "recompute" if choice.mode == "recompute" else f"reload from {choice.target}"
-    if choice.mode == "offload":
-        for tid in dropped:
-            t = graph.tensors[tid]
-            if t.free_op is not None and t.free_op > span.bwd_start:
-                mem.add(t.category, nbytes_of(tid))
-                frees[t.free_op].append((t.category, nbytes_of(tid)))
-        mem.sample(span.bwd_start, "backward", label, span.path, extra)
-        return
+    label = "recompute"
     local_frees: dict[int, list[tuple[str, int]]] = defaultdict(list)
     for i in recompute_ops(graph, span, choice.keep_ops, dropped):
         for k in [k for k in local_frees if k <= i]:

@@ -147,7 +147,8 @@ def _problem(graph: OpGraph, config: TrainConfig, offload: str | None, keep: set
         else:
             opts = block_options(graph, span, times, offload)
             if span.path in force:
-                opts = [o for o in opts if o.choice is not None and o.choice.mode == "recompute"]
+                opts = [o for o in opts if o.choice is not None and o.choice.mode == "recompute"
+                        and o.choice.span.path == span.path]
         effs = [None if o.choice is None else option_effect(graph, o.choice, times, device, scale) for o in opts]
         opts, effs = _undominated(opts, effs)
         options.append(opts)
@@ -186,25 +187,38 @@ def _undominated(opts: list[BlockOption], effs: list[OptionEffect | None]):
     return [opts[i] for i in keep], [effs[i] for i in keep]
 
 
-def _cut_points(p: _Problem, n: int) -> tuple[np.ndarray, list[int]]:
-    """Segment boundaries and, per block, where its hold zone starts."""
-    cuts = {0, n}
-    hold_start = []
+@dataclass
+class _Block:
+    """One block's options on a common window [lo, hi): a delta row per option (keep: zeros), and
+    its hold zone [hold_lo, hold_hi), the longest stretch where no option's delta changes."""
+
+    lo: int
+    hi: int
+    rows: np.ndarray  # (options, hi - lo)
+    changes: np.ndarray  # op indices where some option's delta changes
+    hold_lo: int
+    hold_hi: int
+
+
+def _blocks(p: _Problem) -> list[_Block | None]:
+    out: list[_Block | None] = []
     for effs in p.effects:
         real = [e for e in effs if e is not None]
         if not real:
-            hold_start.append(-1)
+            out.append(None)
             continue
-        lo, hi = real[0].lo, real[0].hi
-        start = lo
-        for e in real:
-            changes = np.flatnonzero(np.diff(e.delta)) + 1 + lo
-            cuts.update(changes.tolist())
-            if len(changes):
-                start = max(start, int(changes[-1]))
-        cuts.update((lo, hi, start))
-        hold_start.append(start)
-    return np.array(sorted(c for c in cuts if 0 <= c <= n)), hold_start
+        lo, hi = min(e.lo for e in real), max(e.hi for e in real)
+        rows = np.zeros((len(effs), hi - lo), dtype=np.int64)
+        for k, e in enumerate(effs):
+            if e is not None:
+                rows[k, e.lo - lo:e.hi - lo] = e.delta
+        padded = np.concatenate([np.zeros((len(effs), 1), dtype=np.int64), rows, np.zeros((len(effs), 1), dtype=np.int64)], axis=1)
+        changed = np.flatnonzero(np.any(np.diff(padded, axis=1) != 0, axis=0)) + lo
+        edges = np.unique(np.concatenate([[lo], changed, [hi]]))
+        widths = np.diff(edges)
+        k = int(np.argmax(widths))
+        out.append(_Block(lo, hi, rows, changed, int(edges[k]), int(edges[k + 1])))
+    return out
 
 
 def _solve_cpsat(p: _Problem, budget: int, time_limit_s: float, n: int):
@@ -215,22 +229,24 @@ def _solve_cpsat(p: _Problem, budget: int, time_limit_s: float, n: int):
         return int(math.ceil(x / unit))
 
     y = [[model.NewBoolVar(f"y{r}_{k}") for k in range(len(opts))] for r, opts in enumerate(p.options)]
-    for row in y:
-        model.AddExactlyOne(row)
-    cuts, hold_start = _cut_points(p, n)
+    for row_vars in y:
+        model.AddExactlyOne(row_vars)
+    blocks = _blocks(p)
+    cuts = {0, n}
     held_vars: list[cp_model.IntVar | None] = []
     held_lo: list[int] = []
-    for r, effs in enumerate(p.effects):
-        start = hold_start[r]
-        real = [(k, e) for k, e in enumerate(effs) if e is not None]
-        if start < 0 or not real or start >= real[0][1].hi:
+    for r, blk in enumerate(blocks):
+        if blk is None or blk.hold_hi <= blk.hold_lo:
             held_vars.append(None)
             held_lo.append(0)
+            if blk is not None:
+                cuts.update(blk.changes.tolist() + [blk.lo, blk.hi])
             continue
-        coeffs = {k: up(e.delta[start - e.lo]) for k, e in real}
-        lo_b = min([0] + list(coeffs.values()))
-        h = model.NewIntVar(lo_b, max(0, max(coeffs.values())), f"held{r}")
-        model.Add(h == sum(c * y[r][k] for k, c in coeffs.items()))
+        cuts.update(blk.changes.tolist() + [blk.lo, blk.hi, blk.hold_lo, blk.hold_hi])
+        coeffs = [up(v) for v in blk.rows[:, blk.hold_lo - blk.lo]]
+        lo_b, hi_b = min([0] + coeffs), max([0] + coeffs)
+        h = model.NewIntVar(lo_b, hi_b, f"held{r}")
+        model.Add(h == sum(c * y[r][k] for k, c in enumerate(coeffs) if c))
         held_vars.append(h)
         held_lo.append(lo_b)
     group_vars: dict[tuple[int, ...], cp_model.IntVar] = {}
@@ -239,39 +255,32 @@ def _solve_cpsat(p: _Problem, budget: int, time_limit_s: float, n: int):
         if not regions:
             return 0
         if regions not in group_vars:
-            lo_b = sum(held_lo[r] for r in regions)
-            z = model.NewIntVar(lo_b, 0, f"group{len(group_vars)}")
+            z = model.NewIntVar(sum(held_lo[r] for r in regions), 0, f"group{len(group_vars)}")
             model.Add(z == sum(held_vars[r] for r in regions))
             group_vars[regions] = z
         return group_vars[regions]
 
-    spans = []
-    for effs in p.effects:
-        real = [e for e in effs if e is not None]
-        spans.append((real[0].lo, real[0].hi) if real else (n, n))
-
     def row(s: int, e: int, base_value: int, own: int | None = None, own_terms=None) -> None:
         held, terms = [], []
-        for r, effs in enumerate(p.effects):
-            lo, hi = spans[r]
-            if r == own or e <= lo or s >= hi:
+        for r, blk in enumerate(blocks):
+            if blk is None or r == own or e <= blk.lo or s >= blk.hi:
                 continue
-            if held_vars[r] is not None and s >= hold_start[r]:
+            if held_vars[r] is not None and blk.hold_lo <= s and e <= blk.hold_hi:
                 held.append(r)
                 continue
-            for k, eff in enumerate(effs):
-                if eff is not None:
-                    c = up(eff.delta[s - eff.lo])
-                    if c:
-                        terms.append(c * y[r][k])
+            for k, v in enumerate(blk.rows[:, s - blk.lo]):
+                c = up(v)
+                if c:
+                    terms.append(c * y[r][k])
         expr = held_sum(tuple(held)) + sum(terms) + (0 if own_terms is None else own_terms)
         model.Add(expr <= budget // unit - up(base_value))
 
-    for s, e in zip(cuts[:-1], cuts[1:]):
-        row(int(s), int(e), int(p.base_post[s:e].max()))
+    edges = np.array(sorted(c for c in cuts if 0 <= c <= n))
+    for s_, e_ in zip(edges[:-1], edges[1:]):
+        row(int(s_), int(e_), int(p.base_post[s_:e_].max()))
     for r, effs in enumerate(p.effects):
         for k, eff in enumerate(effs):
-            if eff is None or eff.replay_at >= n:
+            if eff is None or eff.replay_at >= n or eff.replay_peak <= 0:
                 continue
             b = eff.replay_at
             row(b, b + 1, int(p.base_pre[b]), own=r, own_terms=up(eff.replay_peak) * y[r][k])
