@@ -9,7 +9,6 @@ and the list is ranked: remedies that fit first, then by added step time.
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator
 
@@ -17,7 +16,7 @@ from costmodels.allocator import AllocatorEstimate, simulate_allocator
 from costmodels.hardware import get_device
 from planner.config import TrainConfig
 from planner.graph import OpGraph
-from planner.simulate import Timeline, _model_states, _scale, simulate
+from planner.simulate import Timeline, category_scale, model_states_for, simulate
 
 __all__ = ["Remedy", "Diagnosis", "diagnose", "diagnose_snapshot", "diagnose_oom_message",
            "allocator_events", "allocator_estimate", "VERDICTS"]
@@ -83,8 +82,8 @@ def allocator_events(graph: OpGraph, config: TrainConfig) -> Iterator[tuple[int,
     allocated by its op and freed where the trace freed it; the optimizer step's temporary is
     allocated and freed at the end.
     """
-    scale = _scale(graph, config)
-    states = _model_states(graph, config)
+    scale = category_scale(graph, config)
+    states = model_states_for(graph, config)
 
     def nbytes_of(tid: int) -> int:
         t = graph.tensors[tid]
@@ -135,11 +134,6 @@ def _changes(base: TrainConfig, new: TrainConfig) -> dict:
 
 def _relative_time(new: Timeline, base: Timeline) -> float:
     return new.costs.step_s / base.costs.step_s - 1.0 if base.costs.step_s > 0 else 0.0
-
-
-def _smallest_peak(message: str) -> int | None:
-    m = re.search(r"\((\d+) B\)", message)
-    return int(m.group(1)) if m else None
 
 
 class _Traces:
@@ -205,6 +199,7 @@ def _longest_seq(traces: _Traces, config: TrainConfig, capacity: int) -> int | N
 def _remedies(traces: _Traces, config: TrainConfig, base: Timeline, verdict: str,
               capacity: int, time_limit_s: float) -> list[Remedy]:
     from planner.planning import solve
+    from planner.report import format_bytes
     from planner.solve import InfeasibleBudget
 
     device = get_device(config.gpu)
@@ -249,14 +244,14 @@ def _remedies(traces: _Traces, config: TrainConfig, base: Timeline, verdict: str
             try:
                 plan = solve(graph, config, budget, offload=offload, time_limit_s=time_limit_s)
             except InfeasibleBudget as exc:
-                peak = _smallest_peak(str(exc))
+                peak = exc.smallest_peak_bytes
                 out.append(Remedy(name, description, changes, peak if peak is not None else base.peak_bytes,
                                   False, 0.0, "no plan reaches 95% of the device; the peak is the smallest reachable"))
                 continue
             p = plan.predicted
             note = f"{len(plan.decisions)} decisions"
             if p.offload_bytes:
-                note += f"; offloads {p.offload_bytes} B per step"
+                note += f"; offloads {format_bytes(p.offload_bytes)} per step"
             out.append(Remedy(name, description, changes, p.peak_bytes, p.peak_bytes <= capacity,
                               p.overhead, note))
         if config.batch_size > 1:
@@ -271,7 +266,8 @@ def _remedies(traces: _Traces, config: TrainConfig, base: Timeline, verdict: str
                 r = Remedy("gradient accumulation", f"micro-batch {batch} with {steps} accumulation steps",
                            {"batch_size": batch, "accumulation_steps": steps}, tl.peak_bytes,
                            tl.peak_bytes <= capacity, 0.0,
-                           f"same samples per optimizer step in {steps} micro-steps; smaller matmuls may run less efficiently")
+                           f"{batch * steps} samples per optimizer step in {steps} micro-steps; "
+                           "smaller matmuls may run less efficiently")
                 if r.fits:
                     break
             if r is not None:

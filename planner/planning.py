@@ -73,7 +73,8 @@ def solve(graph: OpGraph, config: TrainConfig, budget_bytes: int, *, strategy: s
 
         raise InfeasibleBudget(
             f"strategy '{strategy}' peaks at {format_bytes(timeline.peak_bytes)}, over the budget "
-            f"{format_bytes(budget_bytes)}; use --strategy optimal or raise --budget")
+            f"{format_bytes(budget_bytes)}; use --strategy optimal or raise --budget",
+            smallest_peak_bytes=timeline.peak_bytes)
     added = timeline.costs.recompute_s + timeline.costs.exposed_offload_s
     info = SolverInfo(status="NOT_SOLVED", objective=added, bound=0.0, gap=0.0, wall_s=time.perf_counter() - t0)
     return _plan(graph, config, budget_bytes, strategy, choices, timeline, baseline.peak_bytes, info)

@@ -24,7 +24,7 @@ from planner.config import TrainConfig
 from planner.graph import CATEGORIES, OpGraph
 from planner.schedule import SpanChoice, choices_from_decisions, dropped_tensors, recompute_ops, reload_op
 
-__all__ = ["Timeline", "StepCosts", "simulate", "op_times"]
+__all__ = ["Timeline", "StepCosts", "simulate", "op_times", "category_scale", "model_states_for"]
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
@@ -121,10 +121,10 @@ class _Memory:
         self.samples.append((op_index, phase, op, module, tuple(values[c] for c in CATEGORIES)))
 
 
-def _scale(graph: OpGraph, config: TrainConfig) -> dict[str, float]:
+def category_scale(graph: OpGraph, config: TrainConfig) -> dict[str, float]:
     """Per-device bytes of each traced parameter/gradient byte: ZeRO sharding, and the fp32 master
     weights and gradients behind a trace whose parameters are in the compute dtype (FSDP)."""
-    states = _model_states(graph, config)
+    states = model_states_for(graph, config)
     traced = {"parameter": 0, "gradient": 0}
     for t in graph.preexisting():
         if t.category == "parameter":
@@ -147,7 +147,7 @@ def _block_transients(graph: OpGraph, config: TrainConfig) -> dict[int, dict[str
     out: dict[int, dict[str, int]] = defaultdict(lambda: {"parameter": 0, "gradient": 0})
     if config.dp == 1 or config.zero_stage < 2:
         return {}
-    unsharded = max(0.0, 1.0 - _scale(graph, config)["gradient"])
+    unsharded = max(0.0, 1.0 - category_scale(graph, config)["gradient"])
     grad_bytes = np.zeros(len(graph.ops), dtype=np.int64)
     for t in graph.tensors.values():
         if t.category == "gradient" and t.alloc_op >= 0:
@@ -174,7 +174,7 @@ def _block_transients(graph: OpGraph, config: TrainConfig) -> dict[int, dict[str
     return dict(out)
 
 
-def _model_states(graph: OpGraph, config: TrainConfig) -> ModelStates:
+def model_states_for(graph: OpGraph, config: TrainConfig) -> ModelStates:
     precision = get_precision(config.precision)
     foreach = get_device(config.gpu).is_cuda
     return model_state_bytes(graph.param_shapes, precision, config.optimizer, config.zero_stage,
@@ -210,8 +210,8 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
     config = config or TrainConfig(batch_size=graph.meta.get("batch_size", 1),
                                    seq_len=graph.meta.get("seq_len", 1))
     device = get_device(config.gpu)
-    scale = _scale(graph, config)
-    states = _model_states(graph, config)
+    scale = category_scale(graph, config)
+    states = model_states_for(graph, config)
     times = op_times(graph, device)
     transients = _block_transients(graph, config)
 

@@ -28,7 +28,7 @@ from planner.config import TrainConfig
 from planner.graph import OpGraph
 from planner.options import BlockOption, OptionEffect, attention_core_choice, block_options, option_effect
 from planner.schedule import ModuleSpan, SpanChoice, module_span
-from planner.simulate import Timeline, _scale, op_times, simulate
+from planner.simulate import Timeline, category_scale, op_times, simulate
 
 __all__ = ["STRATEGIES", "InfeasibleBudget", "SolveResult", "solve_choices", "strategy_choices", "exhaustive_solve"]
 
@@ -37,7 +37,12 @@ STRATEGIES = ("optimal", "none", "full", "every-N", "sqrt", "selective")
 
 
 class InfeasibleBudget(ValueError):
-    """No plan in the search space fits the budget."""
+    """No plan in the search space fits the budget; `smallest_peak_bytes` is the lowest peak
+    memplan can reach (None when not computed)."""
+
+    def __init__(self, message: str, smallest_peak_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.smallest_peak_bytes = smallest_peak_bytes
 
 
 @dataclass(frozen=True)
@@ -136,7 +141,7 @@ def _problem(graph: OpGraph, config: TrainConfig, offload: str | None, keep: set
              force: set[str], times: np.ndarray) -> _Problem:
     base = simulate(graph, config)
     total = base.total
-    scale = _scale(graph, config)
+    scale = category_scale(graph, config)
     allocs = np.array([sum(int(graph.tensors[t].nbytes * scale.get(graph.tensors[t].category, 1.0))
                            for t in op.allocs) for op in graph.ops], dtype=np.int64)
     device = get_device(config.gpu)
@@ -326,7 +331,8 @@ def _infeasible(graph: OpGraph, config: TrainConfig, budget: int, p: _Problem) -
         f"{format_bytes(best.peak_bytes)} ({best.peak_bytes} B) in {best.peak_phase} at {best.peak_op}, "
         f"dominated by {top[0]} ({format_bytes(top[1])}); raise --budget to at least that, or cut model "
         "states (--precision bf16-mixed, --optimizer adamw-8bit, --zero 3 --dp N) or offload "
-        f"(--offload {'cpu' if get_device(config.gpu).is_cuda else 'disk'})"
+        f"(--offload {'cpu' if get_device(config.gpu).is_cuda else 'disk'})",
+        smallest_peak_bytes=best.peak_bytes,
     )
 
 

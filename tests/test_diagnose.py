@@ -1,0 +1,116 @@
+"""Tests for planner.diagnose: verdict classes, ranked simulated remedies, allocator estimate."""
+
+from __future__ import annotations
+
+import pytest
+
+from costmodels.hardware import get_device
+from planner.config import TrainConfig
+from planner.diagnose import (VERDICTS, Diagnosis, allocator_estimate, allocator_events, diagnose,
+                              diagnose_oom_message, diagnose_snapshot)
+from planner.simulate import simulate
+from planner.api import trace_for
+
+A100 = get_device("a100-40gb").memory_bytes
+
+
+@pytest.fixture(scope="module")
+def oom_iteration() -> Diagnosis:
+    # gpt2 fp32, 40 x 1024 tokens: model states ~1.9 GiB, activations far beyond 40 GiB.
+    return diagnose("gpt2", TrainConfig(batch_size=40, seq_len=1024, gpu="a100-40gb"), time_limit_s=5.0)
+
+
+def test_oom_init_when_model_states_exceed_the_device() -> None:
+    d = diagnose("llama-7b", TrainConfig(batch_size=1, seq_len=128, gpu="a100-40gb"))
+    assert d.verdict == "oom-init"
+    assert d.model_state_bytes == sum(d.model_states.values()) > A100
+    assert "model states" in d.summary
+    assert d.longest_fitting_seq_len is None
+    names = [r.name for r in d.remedies]
+    assert "checkpoint plan" not in names and "mixed precision" not in names  # cannot cut model states
+    zero = next(r for r in d.remedies if r.name == "ZeRO-3 / FSDP")
+    assert zero.fits and zero.config_changes["zero_stage"] == 3 and zero.config_changes["dp"] in (2, 4, 8)
+    assert d.remedies[0] is zero  # the only remedy that fits ranks first
+
+
+def test_oom_iteration_names_the_peak_and_the_longest_fitting_sequence(oom_iteration: Diagnosis) -> None:
+    d = oom_iteration
+    assert d.verdict == "oom-iteration"
+    assert d.model_state_bytes < A100 < d.peak_bytes and d.headroom_bytes < 0
+    assert d.peak_phase in ("forward", "loss", "backward") and d.peak_op
+    seq = d.longest_fitting_seq_len
+    assert seq is not None and 1 <= seq < 1024
+    config = TrainConfig(batch_size=40, seq_len=seq, gpu="a100-40gb")
+    assert simulate(trace_for("gpt2", config), config).peak_bytes <= A100
+    assert str(seq) in d.summary
+
+
+def test_remedies_are_simulated_and_ranked(oom_iteration: Diagnosis) -> None:
+    remedies = oom_iteration.remedies
+    names = {r.name for r in remedies}
+    assert {"mixed precision", "8-bit optimizer", "ZeRO-3 / FSDP", "checkpoint plan", "offload plan",
+            "gradient accumulation"} <= names
+    for r in remedies:
+        assert r.peak_bytes > 0 and r.fits == (r.peak_bytes <= A100)
+        assert r.peak_bytes != oom_iteration.peak_bytes or not r.fits
+    keys = [(not r.fits, r.overhead) for r in remedies]
+    assert keys == sorted(keys)
+    assert remedies[0].fits
+    plan = next(r for r in remedies if r.name == "checkpoint plan")
+    assert plan.fits and plan.overhead > 0 and plan.peak_bytes <= 0.95 * A100
+    accumulate = next(r for r in remedies if r.name == "gradient accumulation")
+    assert accumulate.config_changes["batch_size"] * accumulate.config_changes["accumulation_steps"] == 40
+    mixed = next(r for r in remedies if r.name == "mixed precision")
+    assert mixed.config_changes == {"precision": "bf16-mixed"}
+    d = oom_iteration.to_dict()
+    assert d["verdict"] == "oom-iteration" and len(d["remedies"]) == len(remedies)
+    assert set(d["remedies"][0]) == {"name", "description", "config_changes", "peak_bytes", "fits", "overhead", "note"}
+
+
+def test_fits_on_a_large_device() -> None:
+    d = diagnose("gpt2-tiny", TrainConfig(batch_size=1, seq_len=64, gpu="h100-80gb"))
+    assert d.verdict == "fits"
+    assert d.remedies == ()
+    assert d.headroom_bytes >= d.expected_overhead_bytes
+
+
+def test_at_risk_when_headroom_is_below_the_allocator_overhead() -> None:
+    # gpt2 fp32, batch 34 on a100-40gb: the peak crosses the capacity just below seq 1024; the first
+    # length that fits (steps of 16 tokens ~ 0.4% of the device) leaves less than 2% headroom.
+    for seq in range(1024, 768, -16):
+        config = TrainConfig(batch_size=34, seq_len=seq, gpu="a100-40gb")
+        if simulate(trace_for("gpt2", config), config).peak_bytes <= A100:
+            break
+    d = diagnose("gpt2", config, remedies=False)
+    assert d.verdict == "at-risk", (seq, d.headroom_bytes)
+    assert 0 <= d.headroom_bytes < d.expected_overhead_bytes
+    assert d.expected_overhead_bytes >= int(0.02 * A100)
+    assert d.allocator["expected_reserved_bytes"] > A100
+    assert "headroom" in d.summary
+
+
+def test_allocator_estimate_covers_the_simulated_peak() -> None:
+    config = TrainConfig(batch_size=2, seq_len=64, gpu="a100-40gb")
+    graph = trace_for("gpt2-tiny", config)
+    estimate = allocator_estimate(graph, config)
+    peak = simulate(graph, config).peak_bytes
+    assert estimate.peak_reserved_bytes >= estimate.peak_allocated_bytes >= 0.9 * peak
+    events = list(allocator_events(graph, config))
+    live = {t for t, n in events if n > 0} - {t for t, n in events if n == 0}
+    assert all(graph.tensors[t].free_op is None for t in live if t in graph.tensors)
+
+
+def test_verdict_names() -> None:
+    assert VERDICTS == ("oom-init", "oom-iteration", "at-risk", "fits")
+
+
+def test_snapshot_and_oom_message_wrappers() -> None:
+    report = diagnose_snapshot("tests/data/snapshots/current_small.pickle")
+    assert report.reserved_bytes > 0
+    text = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which "
+            "1.23 GiB is free. Including non-PyTorch memory, this process has 77.90 GiB memory in use. Of the "
+            "allocated memory 74.50 GiB is allocated by PyTorch, and 2.40 GiB is reserved by PyTorch but unallocated.")
+    explained = diagnose_oom_message(text)
+    assert explained.requested_bytes == 2 * 2**30
+    with pytest.raises(ValueError):
+        diagnose_oom_message("hello")
