@@ -1,18 +1,20 @@
 """PyTorch's min-cut rematerialisation (torch.compile's partitioner) on the same models, via aot_module.
 
-For a memory budget B (torch._functorch.config.activation_memory_budget) the partitioned forward and
-backward graphs give: bytes saved for backward (backward placeholders that are neither parameters,
-inputs nor tangents) and FLOPs (memplan's per-op rule, costmodels.flops.op_flops, on every node).
-Recomputed FLOPs = FLOPs of both graphs minus those of the no-remat default partition.
+For a budget B (torch._functorch.config.activation_memory_budget, a fraction of *activation* memory)
+the partitioned forward and backward graphs give: bytes saved for backward (forward outputs the
+backward consumes, less the forward's own inputs) and recomputed FLOPs, counted directly: the backward
+nodes whose (op target, input shapes) are extra against the no-remat default partition's backward,
+each costed with memplan's per-op rule (costmodels.flops.op_flops) on its meta tensors.
 """
 
 from __future__ import annotations
 
 import functools
+from collections import Counter, defaultdict
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from costmodels.flops import op_flops
 from planner.spec import resolve_spec
@@ -30,25 +32,70 @@ class _Loss(nn.Module):
         return loss_of(self.model(*args, **kwargs))
 
 
+def _val(a):
+    return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+
+
+def node_flops(n: torch.fx.Node) -> int:
+    """memplan's FLOP rule for one call_function node, on its meta tensors (inputs: args' meta['val'])."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return 0
+    return op_flops(n.target, tree_map(_val, n.args), tree_map(_val, n.kwargs), n.meta.get("val"))
+
+
 def graph_flops(gm: torch.fx.GraphModule) -> int:
-    def val(a):
-        return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+    return sum(node_flops(n) for n in gm.graph.nodes)
 
+
+def _shape(a):
+    v = _val(a)
+    if isinstance(v, torch.Tensor):
+        return (tuple(int(s) for s in v.shape), str(v.dtype))
+    return None
+
+
+def node_key(n: torch.fx.Node) -> tuple:
+    """(op target, input shapes): what identifies 'the same computation' across two partitions."""
+    return (str(n.target), tuple(_shape(a) for a in tree_flatten((n.args, n.kwargs))[0]
+                                 if isinstance(a, torch.fx.Node)))
+
+
+def recompute_flops(remat_bw: torch.fx.GraphModule, base_bw: torch.fx.GraphModule) -> tuple[int, dict]:
+    """FLOPs of the backward nodes that recompute forward ops: the multiset of (target, input shapes)
+    of the remat backward less that of the no-remat backward; only extra nodes count (never negative).
+    Returns (FLOPs, op name -> FLOPs)."""
+    base = Counter(node_key(n) for n in base_bw.graph.nodes if n.op == "call_function")
+    by_key: dict[tuple, list[int]] = defaultdict(list)
+    for n in remat_bw.graph.nodes:
+        if n.op == "call_function":
+            by_key[node_key(n)].append(node_flops(n))
+    total, by_op = 0, defaultdict(int)
+    for key, flops in by_key.items():
+        extra = len(flops) - base.get(key, 0)
+        if extra > 0:
+            f = sum(sorted(flops)[-extra:])  # equal keys give equal FLOPs; take the largest to be safe
+            total += f
+            by_op[key[0]] += f
+    return total, dict(by_op)
+
+
+def saved_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:
+    """Bytes of the forward graph's outputs that the backward consumes, less the forward's inputs
+    (parameters, buffers and batch inputs passed through: they are live anyway)."""
+    fw_inputs = {n.name for n in fw.graph.nodes if n.op == "placeholder"}
+    (out,) = [n for n in fw.graph.nodes if n.op == "output"]
+    fw_outputs = {a.name: a for a in tree_flatten(out.args)[0] if isinstance(a, torch.fx.Node)}
     total = 0
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-            total += op_flops(n.target, tree_map(val, n.args), tree_map(val, n.kwargs), n.meta.get("val"))
-    return total
-
-
-def saved_bytes(bw: torch.fx.GraphModule) -> int:
-    out = 0
     for n in bw.graph.nodes:
-        if n.op == "placeholder" and not n.name.startswith(("primals_", "tangents_")):
-            v = n.meta.get("val")
-            if isinstance(v, torch.Tensor):
-                out += v.numel() * v.element_size()
-    return out
+        if n.op != "placeholder" or n.name not in fw_outputs:
+            continue
+        src = fw_outputs[n.name]
+        if src.op == "placeholder" or src.name in fw_inputs:
+            continue
+        v = src.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+    return total
 
 
 def _untie(model: nn.Module) -> None:
@@ -89,4 +136,5 @@ def partition(spec: str, batch_size: int, seq_len: int, budget: float | None) ->
         wrapped = aot_module(_Loss(model), fw_compiler=keep("fw"), bw_compiler=keep("bw"), partition_fn=part)
         run_step_inputs(wrapped, inputs).backward()
     fw, bw = graph_flops(got["fw"]), graph_flops(got["bw"])
-    return {"fw_flops": fw, "bw_flops": bw, "flops": fw + bw, "saved_bytes": saved_bytes(got["bw"])}
+    return {"fw_flops": fw, "bw_flops": bw, "flops": fw + bw, "saved_bytes": saved_bytes(got["fw"], got["bw"]),
+            "fw": got["fw"], "bw": got["bw"]}

@@ -50,22 +50,22 @@ def kwargs_small(batch_size: int, seq_len: int):
     return _build_kwargs_llama(LlamaConfig(256, 128, 344, 4, 4, 2), batch_size, seq_len)
 
 
-# -- quality: small models whose activations dominate the peak ---------------------------------
+# -- quality: small models whose activations dominate the peak (small vocab, many layers) ------
 def llama_act(batch_size: int, seq_len: int):
-    return _build_llama(LlamaConfig(256, 128, 344, 8, 4, 4), batch_size, seq_len)
+    return _build_llama(LlamaConfig(64, 128, 344, 16, 4, 4), batch_size, seq_len)
 
 
 def gpt2_act(batch_size: int, seq_len: int):
-    return _build_gpt(GPTConfig(vocab_size=256, block_size=1024, n_layer=8, n_head=4, n_embd=128), batch_size, seq_len)
+    return _build_gpt(GPTConfig(vocab_size=64, block_size=1024, n_layer=16, n_head=4, n_embd=128), batch_size, seq_len)
 
 
 def resnet_act(batch_size: int, seq_len: int):
-    return _build_convnet(ConvNetConfig(channels=(16, 32, 64, 64), blocks=(2, 2, 2, 2), num_classes=10),
+    return _build_convnet(ConvNetConfig(channels=(16, 32, 64, 64), blocks=(8, 4, 4, 4), num_classes=10),
                           batch_size, seq_len)
 
 
 def mlp_act(batch_size: int, seq_len: int):
-    return _build_mlp(MLPConfig(64, 256, 8, 64), batch_size, seq_len)
+    return _build_mlp(MLPConfig(64, 256, 16, 64), batch_size, seq_len)
 
 
 # -- solver scaling and GPU check: Llama-shaped, hidden 1024 ----------------------------------
@@ -79,6 +79,10 @@ def llama_1024_L2(batch_size: int, seq_len: int):
 
 def llama_1024_L8(batch_size: int, seq_len: int):
     return _llama_1024(8, batch_size, seq_len)
+
+
+def llama_1024_L16(batch_size: int, seq_len: int):
+    return _llama_1024(16, batch_size, seq_len)
 
 
 def llama_1024_L32(batch_size: int, seq_len: int):
