@@ -91,7 +91,9 @@ class OpGraph:
     param_shapes: list[tuple[int, ...]]
     param_dtype: str
     meta: dict = field(default_factory=dict)
-    saving_ops: frozenset[int] = frozenset()  # forward ops whose autograd node saved any tensor
+    # (ops dispatched so far, module) at each save autograd made in forward: torch's early stop
+    # of a recompute happens right after the span's last save
+    pack_events: tuple[tuple[int, str], ...] = ()
     _consumers: dict[int, list[int]] | None = field(default=None, repr=False, compare=False)
     _by_module: dict[str, list[int]] | None = field(default=None, repr=False, compare=False)
     _first_bwd_use: dict[int, int] | None = field(default=None, repr=False, compare=False)

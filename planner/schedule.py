@@ -133,11 +133,13 @@ def _check_disjoint(choices: list[SpanChoice]) -> None:
 def recompute_ops(graph: OpGraph, span: ModuleSpan, keep_ops: frozenset[int], dropped: Sequence[int]) -> list[int]:
     """Forward ops a non-reentrant checkpoint re-runs, minus those whose outputs a selective
     policy keeps. torch stops the recompute early, once it has re-saved as many tensors as the
-    forward saved: after the span's last op whose autograd node saved anything."""
+    forward saved: right at the span's last save (inputs are saved before their op runs)."""
     if not dropped:
         return []
-    saving = [i for i in range(span.fwd_start, span.fwd_end) if i in graph.saving_ops]
-    stop = max(saving) + 1 if saving else span.fwd_end
+    prefix = span.path + "."
+    saves = [n for n, module in graph.pack_events
+             if span.fwd_start <= n <= span.fwd_end and (module == span.path or module.startswith(prefix))]
+    stop = max(saves) if saves else span.fwd_end
     return [i for i in range(span.fwd_start, stop) if i not in keep_ops]
 
 

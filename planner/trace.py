@@ -275,15 +275,16 @@ def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp3
 
     rec = _Recorder(model, with_costs=True)
     categories = _register_preexisting(rec, model, inputs)
-    saved_by: dict[int, list[int]] = defaultdict(list)
+    packs: list[tuple[int, str, int]] = []  # (ops dispatched so far, module, storage) per save
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if rec.phase == "forward":
             tid, _ = rec.tid_of(t, len(rec.ops) - 1)
-            saved_by[tid].append(max(len(rec.ops) - 1, 0))
+            packs.append((len(rec.ops), rec.module_path(), tid))
         return t
 
     backward_start, loss = _run(model, inputs, rec, precision, name, (pack, _identity), backward=True)
+    saved_by = _savers(rec.ops, packs)
     for p in params:
         if p.grad is not None:
             categories[rec.tid_of(p.grad, -1)[0]] = "gradient"
@@ -312,17 +313,31 @@ def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp3
         t = tensors[tid]
         if categories.get(tid) == "input":
             tensors[tid] = TensorInfo(**{**t.__dict__, "category": "activation" if t.saved_by else "temporary"})
-    saving_ops = frozenset(i for ops_ in saved_by.values() for i in ops_)
     _drop_parameter_saves(tensors)
     return OpGraph(
         ops=ops, tensors=tensors, regions=_regions(model, ops, backward_start, param_bytes_of),
-        backward_start=backward_start, saving_ops=saving_ops,
+        backward_start=backward_start, pack_events=tuple((n, module) for n, module, _ in packs),
         param_shapes=[tuple(_as_int(d, "a parameter") for d in p.shape) for p in params],
         param_dtype=param_dtype,
         meta={"model": name, "precision": precision, "fingerprint": model_fingerprint(model),
               "natural_lifetimes": lifetimes,
               "num_modules": sum(1 for _ in model.modules())},
     )
+
+
+def _savers(ops: list[OpNode], packs: list[tuple[int, str, int]]) -> dict[int, list[int]]:
+    """Storage -> forward ops whose autograd nodes saved it.
+
+    Autograd saves an op's inputs before the op runs and its outputs after, so a save seen after
+    n ops belongs to op n when op n reads the storage, else to op n - 1 (which produced it).
+    """
+    out: dict[int, list[int]] = defaultdict(list)
+    for n, _, tid in packs:
+        if n < len(ops) and tid in ops[n].inputs and not (n > 0 and tid in ops[n - 1].allocs):
+            out[tid].append(n)
+        else:
+            out[tid].append(max(n - 1, 0))
+    return out
 
 
 def _identity(x):
