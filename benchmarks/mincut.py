@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from costmodels.flops import op_flops
+from costmodels.flops import op_bytes_accessed, op_flops
+from costmodels.runtime import op_time_s
 from planner.spec import resolve_spec
 from planner.trace import loss_of, run_step_inputs
 
@@ -58,6 +59,29 @@ def node_key(n: torch.fx.Node) -> tuple:
     """(op target, input shapes): what identifies 'the same computation' across two partitions."""
     return (str(n.target), tuple(_shape(a) for a in tree_flatten((n.args, n.kwargs))[0]
                                  if isinstance(a, torch.fx.Node)))
+
+
+def node_time_s(n: torch.fx.Node, device) -> float:
+    """memplan's eager roofline time of one node (each op its own kernel, as in eager mode)."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return 0.0
+    args, kwargs, out = tree_map(_val, n.args), tree_map(_val, n.kwargs), n.meta.get("val")
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    flops = op_flops(n.target, args, kwargs, out)
+    if flops == 0 and not outs:
+        return 0.0
+    dtype = outs[0].dtype if outs else torch.float32
+    return op_time_s(flops, op_bytes_accessed((args, kwargs), out), dtype, device)
+
+
+def recompute_time_s(remat_bw: torch.fx.GraphModule, base_bw: torch.fx.GraphModule, device) -> float:
+    """Eager roofline seconds of the extra (recomputing) backward nodes, as recompute_flops counts them."""
+    base = Counter(node_key(n) for n in base_bw.graph.nodes if n.op == "call_function")
+    by_key: dict[tuple, list[float]] = defaultdict(list)
+    for n in remat_bw.graph.nodes:
+        if n.op == "call_function":
+            by_key[node_key(n)].append(node_time_s(n, device))
+    return sum(sum(sorted(t)[-(len(t) - base.get(k, 0)):]) for k, t in by_key.items() if len(t) > base.get(k, 0))
 
 
 def recompute_flops(remat_bw: torch.fx.GraphModule, base_bw: torch.fx.GraphModule) -> tuple[int, dict]:

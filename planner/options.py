@@ -17,13 +17,19 @@ import numpy as np
 from costmodels.hardware import DeviceSpec
 from costmodels.runtime import transfer_time_s
 from planner.graph import OpGraph
-from planner.schedule import ModuleSpan, SpanChoice, dropped_tensors, module_span, recompute_ops, reload_op
+from planner.schedule import (ModuleSpan, SpanChoice, cached_outputs, dropped_tensors, module_span, recompute_ops,
+                               reload_op)
 
 __all__ = ["BlockOption", "OptionEffect", "attention_core_choice", "block_options", "option_effect"]
 
 # Ops that make up the attention core (what Megatron's selective recomputation recomputes).
 _ATTENTION_CORE = ("scaled_dot_product", "flash_attention", "efficient_attention", "_softmax",
                    "softmax", "bmm", "baddbmm", "dropout")
+
+
+# Matmul-class ops: a selective policy that caches all of them recomputes only cheap ops.
+_HEAVY_OPS = ("mm.", "addmm", "bmm", "baddbmm", "convolution", "scaled_dot_product", "flash_attention",
+              "efficient_attention", "linear")
 
 
 @dataclass(frozen=True)
@@ -75,15 +81,16 @@ def option_effect(graph: OpGraph, choice: SpanChoice, times: np.ndarray, device:
             end = b if (t.free_op is not None and t.free_op > b) else (t.free_op or b)
         if end > start:
             gone.append((start, end, _nbytes(graph, tid, scale)))
-    lo, hi = span.fwd_start, max([b] + [end for _, end, _ in gone])
+    cached = cached_outputs(graph, span, choice.keep_ops, dropped)
+    held = [(graph.tensors[tid].free_op, b if popped else span.bwd_end, _nbytes(graph, tid, scale))
+            for tid, popped in cached]  # the cache keeps them past their free
+    lo = span.fwd_start
+    hi = max([b] + [end for _, end, _ in gone] + [end for _, end, _ in held])
     delta = np.zeros(hi - lo, dtype=np.int64)
     for start, end, nbytes in gone:
         delta[start - lo:end - lo] -= nbytes
-    for i in choice.keep_ops:
-        for tid in graph.ops[i].allocs:
-            t = graph.tensors[tid]
-            if t.free_op is not None and t.free_op < b:
-                delta[t.free_op - lo:] += _nbytes(graph, tid, scale)
+    for start, end, nbytes in held:
+        delta[start - lo:end - lo] += nbytes
     drop_set = set(dropped)
     if choice.mode == "offload":
         nbytes = sum(graph.tensors[tid].nbytes for tid in dropped)
@@ -95,6 +102,13 @@ def option_effect(graph: OpGraph, choice: SpanChoice, times: np.ndarray, device:
         return OptionEffect(lo, hi, delta, b, replay_peak, cost, 0, nbytes)
     live = peak = 0
     local: dict[int, int] = {}
+    for tid, popped in cached:  # taken back by the replay, they die where they naturally would
+        if popped:
+            t = graph.tensors[tid]
+            key = min(t.natural_free_op if t.natural_free_op is not None else span.fwd_end, span.fwd_end)
+            local[key] = local.get(key, 0) + _nbytes(graph, tid, scale)
+            live += _nbytes(graph, tid, scale)
+    peak = live
     redo = recompute_ops(graph, span, choice.keep_ops, dropped)
     for i in redo:
         for k in [k for k in local if k <= i]:
@@ -150,6 +164,10 @@ def block_options(graph: OpGraph, span: ModuleSpan, times: np.ndarray, offload: 
             if k >= len(ranked):
                 continue
             options.append(BlockOption(f"selective-{k}", SpanChoice(span, "recompute", frozenset(ranked[:k]))))
+        heavy = frozenset(i for i in range(span.fwd_start, span.fwd_end)
+                          if any(k in graph.ops[i].name for k in _HEAVY_OPS) and graph.ops[i].allocs)
+        if heavy:
+            options.append(BlockOption("selective-matmuls", SpanChoice(span, "recompute", heavy)))
         core = attention_core_choice(graph, span)
         if core is not None and core.keep_ops:
             options.append(BlockOption("selective-attention", core))

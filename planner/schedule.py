@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 from planner.graph import OpGraph
 
 __all__ = ["SpanChoice", "ModuleSpan", "module_span", "op_keys", "dropped_tensors", "choices_from_decisions",
-           "recompute_ops", "reload_op"]
+           "recompute_ops", "recompute_stop", "cached_outputs", "reload_op"]
 
 
 @dataclass(frozen=True)
@@ -136,11 +136,33 @@ def recompute_ops(graph: OpGraph, span: ModuleSpan, keep_ops: frozenset[int], dr
     forward saved: right at the span's last save (inputs are saved before their op runs)."""
     if not dropped:
         return []
+    return [i for i in range(span.fwd_start, recompute_stop(graph, span)) if i not in keep_ops]
+
+
+def recompute_stop(graph: OpGraph, span: ModuleSpan) -> int:
+    """The first forward op of a span that a recompute does not reach (its last save's position)."""
     prefix = span.path + "."
     saves = [n for n, module in graph.pack_events
              if span.fwd_start <= n <= span.fwd_end and (module == span.path or module.startswith(prefix))]
-    stop = max(saves) if saves else span.fwd_end
-    return [i for i in range(span.fwd_start, stop) if i not in keep_ops]
+    return max(saves) if saves else span.fwd_end
+
+
+def cached_outputs(graph: OpGraph, span: ModuleSpan, keep_ops: frozenset[int],
+                   dropped: Sequence[int]) -> list[tuple[int, bool]]:
+    """Outputs of kept ops that autograd did not save, which a selective policy's cache holds.
+
+    Returns (storage, popped): popped when the recompute reaches the op and takes the output back
+    (it then dies where it naturally would inside the replay); otherwise the cache keeps it until
+    the checkpoint's frame dies at the end of the span's backward.
+    """
+    stop = recompute_stop(graph, span) if dropped else span.fwd_start
+    out = []
+    for i in sorted(keep_ops):
+        for tid in graph.ops[i].allocs:
+            t = graph.tensors[tid]
+            if t.free_op is not None and t.free_op < span.bwd_start:
+                out.append((tid, i < stop))
+    return out
 
 
 def reload_op(graph: OpGraph, tid: int, span: ModuleSpan) -> int | None:

@@ -22,7 +22,8 @@ from costmodels.memory import ModelStates, get_precision, model_state_bytes
 from costmodels.runtime import op_time_s, transfer_time_s
 from planner.config import TrainConfig
 from planner.graph import CATEGORIES, OpGraph
-from planner.schedule import SpanChoice, choices_from_decisions, dropped_tensors, recompute_ops, reload_op
+from planner.schedule import (SpanChoice, cached_outputs, choices_from_decisions, dropped_tensors, recompute_ops,
+                               reload_op)
 
 __all__ = ["Timeline", "StepCosts", "simulate", "op_times", "category_scale", "model_states_for"]
 
@@ -226,7 +227,7 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
 
     frees: dict[int, list[tuple[str, int]]] = defaultdict(list)  # op -> (category, bytes)
     moved: set[int] = set()
-    inserts: dict[int, list[tuple[SpanChoice, list[int]]]] = defaultdict(list)
+    inserts: dict[int, list[tuple[SpanChoice, list[int], list[int]]]] = defaultdict(list)
     reloads: dict[int, list[tuple[str, int]]] = defaultdict(list)  # op -> storages brought back before it
     recompute_flops, recompute_s, offloads = 0, 0.0, []
     for choice in choices:
@@ -236,14 +237,16 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
             frees[t.natural_free_op if t.natural_free_op is not None else graph.backward_start].append(
                 (t.category, nbytes_of(tid)))
             moved.add(tid)
-        for i in choice.keep_ops:  # cached outputs of kept ops live at least until the recompute
-            for tid in graph.ops[i].allocs:
+        popped = []
+        for tid, in_replay in cached_outputs(graph, choice.span, choice.keep_ops, dropped):
+            moved.add(tid)
+            if in_replay:
+                popped.append(tid)
+            else:
                 t = graph.tensors[tid]
-                if t.free_op is not None and t.free_op < choice.span.bwd_start:
-                    frees[choice.span.bwd_start].append((t.category, nbytes_of(tid)))
-                    moved.add(tid)
+                frees[max(choice.span.bwd_end, t.free_op)].append((t.category, nbytes_of(tid)))
         if choice.mode == "recompute":
-            inserts[choice.span.bwd_start].append((choice, dropped))
+            inserts[choice.span.bwd_start].append((choice, dropped, popped))
             redo = recompute_ops(graph, choice.span, choice.keep_ops, dropped)
             recompute_flops += sum(graph.ops[i].flops for i in redo)
             recompute_s += float(times[redo].sum()) if redo else 0.0
@@ -262,8 +265,8 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
     for op in graph.ops:
         for category, nbytes in frees.pop(op.index, ()):
             mem.add(category, -nbytes)
-        for choice, dropped in inserts.get(op.index, ()):
-            _replay(graph, mem, frees, choice, dropped, nbytes_of, transients.get(op.index))
+        for choice, dropped, popped in inserts.get(op.index, ()):
+            _replay(graph, mem, frees, choice, dropped, popped, nbytes_of, transients.get(op.index))
         for category, nbytes in reloads.get(op.index, ()):
             mem.add(category, nbytes)
         for tid in op.allocs:
@@ -283,13 +286,23 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
     return _timeline(mem, states, graph, config, costs)
 
 
+def _natural_in_span(graph: OpGraph, tid: int, span) -> int:
+    t = graph.tensors[tid]
+    return min(t.natural_free_op if t.natural_free_op is not None else span.fwd_end, span.fwd_end)
+
+
 def _replay(graph: OpGraph, mem: _Memory, frees, choice: SpanChoice, dropped: list[int],
-            nbytes_of, extra: dict[str, int] | None) -> None:
-    """Re-run a recomputed span's forward just before its backward, re-creating what it dropped."""
+            popped: list[int], nbytes_of, extra: dict[str, int] | None) -> None:
+    """Re-run a recomputed span's forward just before its backward, re-creating what it dropped.
+
+    `popped` are cached outputs of kept ops (alive since forward) that the replay takes back and
+    lets die where they naturally would."""
     span = choice.span
     keep = set(dropped)
     label = "recompute"
     local_frees: dict[int, list[tuple[str, int]]] = defaultdict(list)
+    for tid in popped:
+        local_frees[_natural_in_span(graph, tid, span)].append((graph.tensors[tid].category, nbytes_of(tid)))
     for i in recompute_ops(graph, span, choice.keep_ops, dropped):
         for k in [k for k in local_frees if k <= i]:
             for category, nbytes in local_frees.pop(k):
@@ -302,8 +315,7 @@ def _replay(graph: OpGraph, mem: _Memory, frees, choice: SpanChoice, dropped: li
             if tid in keep and t.free_op is not None and t.free_op > span.bwd_start:
                 frees[t.free_op].append((t.category, nbytes))
             else:
-                natural = t.natural_free_op if t.natural_free_op is not None else span.fwd_end
-                local_frees[min(natural, span.fwd_end)].append((t.category, nbytes))
+                local_frees[_natural_in_span(graph, tid, span)].append((t.category, nbytes))
         mem.sample(span.bwd_start, "backward", f"{label} {op.name}", op.module, extra)
     for pending in local_frees.values():
         for category, nbytes in pending:
