@@ -12,8 +12,8 @@ from pathlib import Path
 
 from benchmarks.common import Options, to_jsonable
 
-TABLES = {"accuracy": "accuracy", "quality": "quality", "solver": "solver_scaling", "large": "large",
-          "speed": "simulate_speed"}
+TABLES = {"accuracy": "accuracy", "quality": "quality", "presets": "preset_quality", "solver": "solver_scaling",
+          "large": "large", "speed": "simulate_speed"}
 
 
 def main(argv: list[str] | None = None) -> int:
