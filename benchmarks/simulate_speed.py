@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BASE = ["simulate", "--model", "llama-70b", "--gpu", "h100-80gb", "--precision", "bf16-mixed", "--seq-len"]
 CASES = [("single", "4096", 15.0), ("sweep-4", "512,1024,2048,4096", 30.0),
          ("sweep-8", "512,1024,2048,4096,8192,16384,32768,65536", 30.0)]
-QUICK = ("single", "sweep-4")
+QUICK = ("single", "sweep-8")
 
 
 def _command() -> list[str]:
