@@ -4,29 +4,13 @@ from __future__ import annotations
 
 import json
 
-from planner.cli import main
+
+from cli_helpers import assert_user_error, run
 
 SNAPSHOTS = "tests/data/snapshots"
 OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which "
        "1.23 GiB is free. Including non-PyTorch memory, this process has 77.90 GiB memory in use. Of the "
        "allocated memory 74.50 GiB is allocated by PyTorch, and 2.40 GiB is reserved by PyTorch but unallocated.")
-
-
-def run(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_user_error(code, err, command, *needles):
-    assert code == 2
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"memplan {command}: error:"), err
-    for n in needles:
-        assert n in lines[0], (n, err)
 
 
 def test_diagnose_model_prints_verdict_and_remedies(tmp_path, capsys):

@@ -15,31 +15,13 @@ from planner.planning import BASELINES
 from planner.simulate import simulate
 from planner.solve import strategy_choices
 
+from cli_helpers import assert_user_error, run
+
 from models_for_tests import PATH
 
 GPT = f"{PATH}:gpt_small"
 LLAMA = f"{PATH}:llama_small"
 ARGS = ["--model", GPT, "--batch-size", "2", "--seq-len", "64"]
-
-
-def run(argv, capsys):
-    """main(argv) -> (exit code, stdout, stderr); argparse usage errors exit via SystemExit."""
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_user_error(code, err, command, *needles):
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert "Traceback" not in err
-    assert lines[0].startswith(f"memplan {command}: error:"), err
-    for n in needles:
-        assert n in lines[0], (n, err)
 
 
 @lru_cache(maxsize=None)

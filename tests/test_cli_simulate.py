@@ -6,29 +6,10 @@ import json
 
 import pytest
 
-from planner.cli import main
 from planner.graph import CATEGORIES
 from planner.spec import list_presets
 
-
-def run(argv, capsys):
-    """main(argv) -> (exit code, stdout, stderr); argparse usage errors exit via SystemExit."""
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_user_error(code, err, *needles):
-    assert code == 2
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert "Traceback" not in err
-    assert lines[0].startswith("memplan simulate: error:") or lines[0].startswith("memplan verify: error:"), err
-    for n in needles:
-        assert n in lines[0], (n, err)
+from cli_helpers import assert_user_error, run
 
 
 def test_simulate_json(tmp_path, capsys):
@@ -96,7 +77,7 @@ def test_plot_writes_png(tmp_path, capsys, seq):
 
 def test_unknown_preset_lists_presets(capsys):
     code, out, err = run(["simulate", "--model", "llama-9000"], capsys)
-    assert_user_error(code, err, "llama-9000", "presets:")
+    assert_user_error(code, err, ("simulate", "verify"), "llama-9000", "presets:")
     for name in list_presets():
         assert name in err
 
@@ -104,58 +85,58 @@ def test_unknown_preset_lists_presets(capsys):
 @pytest.mark.parametrize("value", ["0", "-2", "two"])
 def test_non_positive_batch_size(capsys, value):
     code, _, err = run(["simulate", "--model", "llama-7b-tiny", "--batch-size", value], capsys)
-    assert_user_error(code, err, "--batch-size")
+    assert_user_error(code, err, ("simulate", "verify"), "--batch-size")
 
 
 def test_non_positive_seq_len(capsys):
     code, _, err = run(["simulate", "--model", "llama-7b-tiny", "--seq-len", "32,0"], capsys)
-    assert_user_error(code, err, "--seq-len")
+    assert_user_error(code, err, ("simulate", "verify"), "--seq-len")
 
 
 def test_unknown_gpu(capsys):
     code, _, err = run(["simulate", "--model", "llama-7b-tiny", "--seq-len", "16", "--gpu", "tpu-v9"], capsys)
-    assert_user_error(code, err, "tpu-v9", "h100-80gb")
+    assert_user_error(code, err, ("simulate", "verify"), "tpu-v9", "h100-80gb")
 
 
 def test_unknown_precision(capsys):
     code, _, err = run(["simulate", "--model", "llama-7b-tiny", "--seq-len", "16", "--precision", "fp8"], capsys)
-    assert_user_error(code, err, "fp8", "bf16-mixed")
+    assert_user_error(code, err, ("simulate", "verify"), "fp8", "bf16-mixed")
 
 
 def test_unknown_optimizer(capsys):
     code, _, err = run(["simulate", "--model", "llama-7b-tiny", "--seq-len", "16", "--optimizer", "lion"], capsys)
-    assert_user_error(code, err, "lion", "adamw")
+    assert_user_error(code, err, ("simulate", "verify"), "lion", "adamw")
 
 
 def test_bad_zero_stage(capsys):
     code, _, err = run(["simulate", "--model", "llama-7b-tiny", "--seq-len", "16", "--zero", "5"], capsys)
-    assert_user_error(code, err, "zero")
+    assert_user_error(code, err, ("simulate", "verify"), "zero")
 
 
 def test_seq_len_beyond_positions(capsys):
     code, _, err = run(["simulate", "--model", "gpt2-tiny", "--seq-len", "4096"], capsys)
-    assert_user_error(code, err, "4096", "128")
+    assert_user_error(code, err, ("simulate", "verify"), "4096", "128")
 
 
 def test_file_function_missing(capsys, bad_models):
     code, _, err = run(["simulate", "--model", f"{bad_models}:nope", "--seq-len", "4"], capsys)
-    assert_user_error(code, err, "nope")
+    assert_user_error(code, err, ("simulate", "verify"), "nope")
 
 
 def test_file_missing(capsys, tmp_path):
     code, _, err = run(["simulate", "--model", f"{tmp_path}/absent.py:build", "--seq-len", "4"], capsys)
-    assert_user_error(code, err, "not found")
+    assert_user_error(code, err, ("simulate", "verify"), "not found")
 
 
 def test_file_function_raises(capsys, bad_models):
     code, _, err = run(["simulate", "--model", f"{bad_models}:raises", "--seq-len", "4"], capsys)
-    assert_user_error(code, err, "raises", "boom from the model function")
+    assert_user_error(code, err, ("simulate", "verify"), "raises", "boom from the model function")
 
 
 @pytest.mark.parametrize("func", ["item_model", "nonzero_model"])
 def test_untraceable_model(capsys, bad_models, func):
     code, _, err = run(["simulate", "--model", f"{bad_models}:{func}", "--seq-len", "4"], capsys)
-    assert_user_error(code, err)
+    assert_user_error(code, err, "simulate")
     assert "data-dependent" in err
 
 
@@ -187,9 +168,9 @@ def test_verify_prints_predicted_vs_measured(tmp_path, capsys):
 
 def test_verify_rejects_gpu(capsys):
     code, _, err = run(["verify", "--model", "llama-7b-tiny", "--seq-len", "16", "--gpu", "h100-80gb"], capsys)
-    assert_user_error(code, err, "CPU")
+    assert_user_error(code, err, ("simulate", "verify"), "CPU")
 
 
 def test_verify_rejects_8bit(capsys):
     code, _, err = run(["verify", "--model", "llama-7b-tiny", "--seq-len", "16", "--optimizer", "adamw-8bit"], capsys)
-    assert_user_error(code, err, "adamw-8bit")
+    assert_user_error(code, err, ("simulate", "verify"), "adamw-8bit")
