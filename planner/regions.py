@@ -1,7 +1,8 @@
 """Find the checkpointable blocks of a model: the repeated layers of a transformer, the residual
 blocks of a CNN.
 
-A *block container* is an `nn.ModuleList` or `nn.Sequential` with at least two children that own
+A *block container* is an `nn.ModuleList`, `nn.Sequential` or `nn.ModuleDict` (the model itself
+included) with at least two children that own
 parameters and are composite or repeated. The blocks are the children of the outermost block containers; when every child of a
 container is itself a block container and the children differ (the stages of a ResNet), the
 blocks are one level further down.
@@ -15,7 +16,7 @@ from torch import nn
 
 __all__ = ["find_region_paths", "module_signature"]
 
-_CONTAINERS = (nn.ModuleList, nn.Sequential)
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 def module_signature(module: nn.Module) -> str:
@@ -60,7 +61,7 @@ def find_region_paths(model: nn.Module) -> list[str]:
     found: list[str] = []
 
     def visit(path: str, module: nn.Module) -> None:
-        if path and _is_block_container(module):
+        if _is_block_container(module):
             found.extend(_blocks_of(path, module))
             return
         for name, child in module.named_children():

@@ -332,7 +332,9 @@ def _infeasible(graph: OpGraph, config: TrainConfig, budget: int, p: _Problem) -
         f"{format_bytes(best.peak_bytes)} ({best.peak_bytes} B) in {best.peak_phase} at {best.peak_op}, "
         f"dominated by {top[0]} ({format_bytes(top[1])}); raise --budget to at least that, or cut model "
         "states (--precision bf16-mixed, --optimizer adamw-8bit, --zero 3 --dp N) or offload "
-        f"(--offload {'cpu' if get_device(config.gpu).is_cuda else 'disk'})",
+        f"(--offload {'cpu' if get_device(config.gpu).is_cuda else 'disk'})"
+        + ("" if graph.regions else "; memplan found no blocks to checkpoint in this model (blocks are the "
+           "children of nn.ModuleList, nn.Sequential or nn.ModuleDict containers)"),
         smallest_peak_bytes=best.peak_bytes,
     )
 

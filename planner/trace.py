@@ -236,15 +236,24 @@ def _phase_of_forward_ops(ops: list[OpNode], backward_start: int) -> list[OpNode
     return out
 
 
-def _regions(model: nn.Module, ops: list[OpNode], backward_start: int,
-             param_bytes_of: Callable[[nn.Module], int]) -> list[Region]:
+def _regions(model: nn.Module, graph: OpGraph, param_bytes_of: Callable[[nn.Module], int]) -> list[Region]:
+    """The checkpointable blocks with their forward and backward op ranges.
+
+    When module hooks cannot see a block's backward (an in-place op on its output rebases the
+    grad_fn the hook was on), the backward range comes from the block's saved storages instead:
+    from the first backward op that reads one to the last op before one is freed.
+    """
     regions = []
+    first_use = graph.first_backward_use()
     for path in find_region_paths(model):
         module = model.get_submodule(path)
-        prefix = path + "."
-        inside = [op.index for op in ops if op.module == path or op.module.startswith(prefix)]
-        fwd = [i for i in inside if i < backward_start]
-        bwd = [i for i in inside if i >= backward_start]
+        ops = graph.ops_in_module(path)
+        fwd = [i for i in ops if i < graph.backward_start]
+        bwd = [i for i in ops if i >= graph.backward_start]
+        if fwd and not bwd:
+            saved = [t for t in graph.tensors.values()
+                     if t.saved_by and min(fwd) <= t.alloc_op <= max(fwd) and t.free_op is not None]
+            bwd = [first_use[t.id] for t in saved if t.id in first_use] + [t.free_op - 1 for t in saved]
         if not fwd or not bwd:
             continue
         regions.append(Region(path, module_signature(module), param_bytes_of(module),
@@ -314,8 +323,8 @@ def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp3
         if categories.get(tid) == "input":
             tensors[tid] = TensorInfo(**{**t.__dict__, "category": "activation" if t.saved_by else "temporary"})
     _drop_parameter_saves(tensors)
-    return OpGraph(
-        ops=ops, tensors=tensors, regions=_regions(model, ops, backward_start, param_bytes_of),
+    graph = OpGraph(
+        ops=ops, tensors=tensors, regions=[],
         backward_start=backward_start, pack_events=tuple((n, module) for n, module, _ in packs),
         param_shapes=[tuple(_as_int(d, "a parameter") for d in p.shape) for p in params],
         param_dtype=param_dtype,
@@ -323,6 +332,8 @@ def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp3
               "natural_lifetimes": lifetimes,
               "num_modules": sum(1 for _ in model.modules())},
     )
+    graph.regions = _regions(model, graph, param_bytes_of)
+    return graph
 
 
 def _savers(ops: list[OpNode], packs: list[tuple[int, str, int]]) -> dict[int, list[int]]:
