@@ -192,6 +192,7 @@ class PlanHandle:
         self._originals: dict[str, tuple[nn.Module, Any]] = {}  # path -> (module, own forward or None)
         self._hooks: list[Any] = []
         self._removed = False
+        self._restore_use_cache: Any = None  # a Hugging Face config whose use_cache we turned off
         self._stream: Any = None
         self._spill_ids = itertools.count()
         needs_disk = any(mp.target == "disk" for mps in self._by_bucket.values() for mp in mps.values())
@@ -207,8 +208,18 @@ class PlanHandle:
         paths = dict.fromkeys(p for mps in self._by_bucket.values() for p in mps)
         for path in paths:
             self._wrap(path, self.model.get_submodule(path))
+        self._disable_kv_cache()
         if self.ladder is not None:
             self._hooks.append(self.model.register_forward_pre_hook(self._select_bucket, with_kwargs=True))
+
+    def _disable_kv_cache(self) -> None:
+        """Hugging Face models fill a key/value cache during forward when `config.use_cache` is
+        set; a recompute would then see a changed cache and run different ops. Turn it off while
+        a plan is applied (as transformers does for gradient checkpointing); remove() restores it."""
+        config = getattr(self.model, "config", None)
+        if self._originals and getattr(config, "use_cache", False) is True:
+            config.use_cache = False
+            self._restore_use_cache = config
 
     def _wrap(self, path: str, module: nn.Module) -> None:
         if getattr(module.forward, "_memplan_wrapper", False):
@@ -311,6 +322,9 @@ class PlanHandle:
             else:
                 module.forward = own
         self._originals.clear()
+        if self._restore_use_cache is not None:
+            self._restore_use_cache.use_cache = True
+            self._restore_use_cache = None
         if self.spill_dir is not None and self.spill_dir.exists():
             shutil.rmtree(self.spill_dir)
 

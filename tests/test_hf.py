@@ -1,0 +1,37 @@
+"""Hugging Face models through `hf:PATH/config.json` (runs only where transformers is installed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from planner.api import plan_model, verify_model  # noqa: E402
+from planner.config import TrainConfig  # noqa: E402
+
+CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "vocab_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+
+
+@pytest.fixture()
+def hf_spec(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    return f"hf:{tmp_path / 'config.json'}"
+
+
+def test_hf_llama_prediction_within_3_percent(hf_spec):
+    result = verify_model(hf_spec, TrainConfig(batch_size=8, seq_len=128))
+    assert abs(result.error) <= 0.03, result
+
+
+def test_hf_llama_plan_fits_and_is_predicted(hf_spec):
+    config = TrainConfig(batch_size=8, seq_len=128)
+    _, _, baseline = plan_model(hf_spec, config, 10**12)
+    plan, _, _ = plan_model(hf_spec, config, int(0.6 * baseline))
+    assert plan.decisions
+    result = verify_model(hf_spec, config, plan)
+    assert result.measured_bytes <= plan.budget_bytes
+    assert abs(result.error) <= 0.03, result
