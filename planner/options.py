@@ -17,8 +17,8 @@ import numpy as np
 from costmodels.hardware import DeviceSpec
 from costmodels.runtime import transfer_time_s
 from planner.graph import OpGraph
-from planner.schedule import (ModuleSpan, SpanChoice, cached_outputs, dropped_tensors, module_span, recompute_ops,
-                               reload_op)
+from planner.schedule import (ModuleSpan, SpanChoice, cached_outputs, dropped_tensors, module_span,
+                               natural_free_in_span, recompute_ops, reload_op)
 
 __all__ = ["BlockOption", "OptionEffect", "attention_core_choice", "block_options", "option_effect"]
 
@@ -104,8 +104,7 @@ def option_effect(graph: OpGraph, choice: SpanChoice, times: np.ndarray, device:
     local: dict[int, int] = {}
     for tid, popped in cached:  # taken back by the replay, they die where they naturally would
         if popped:
-            t = graph.tensors[tid]
-            key = min(t.natural_free_op if t.natural_free_op is not None else span.fwd_end, span.fwd_end)
+            key = natural_free_in_span(graph, tid, span)
             local[key] = local.get(key, 0) + _nbytes(graph, tid, scale)
             live += _nbytes(graph, tid, scale)
     peak = live
@@ -118,8 +117,7 @@ def option_effect(graph: OpGraph, choice: SpanChoice, times: np.ndarray, device:
             nbytes = _nbytes(graph, tid, scale)
             live += nbytes
             if not (tid in drop_set and t.free_op is not None and t.free_op > b):
-                natural = t.natural_free_op if t.natural_free_op is not None else span.fwd_end
-                key = min(natural, span.fwd_end)
+                key = natural_free_in_span(graph, tid, span)
                 local[key] = local.get(key, 0) + nbytes
         peak = max(peak, live)
     flops = sum(graph.ops[i].flops for i in redo)

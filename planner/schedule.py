@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 from planner.graph import OpGraph
 
 __all__ = ["SpanChoice", "ModuleSpan", "module_span", "op_keys", "dropped_tensors", "choices_from_decisions",
-           "recompute_ops", "recompute_stop", "cached_outputs", "reload_op"]
+           "recompute_ops", "recompute_stop", "cached_outputs", "natural_free_in_span", "reload_op"]
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,13 @@ def cached_outputs(graph: OpGraph, span: ModuleSpan, keep_ops: frozenset[int],
             if t.free_op is not None and t.free_op < span.bwd_start:
                 out.append((tid, i < stop))
     return out
+
+
+def natural_free_in_span(graph: OpGraph, tid: int, span: ModuleSpan) -> int:
+    """Where a storage re-created by a span's recompute dies inside the replay (at the latest at
+    the span's end, where the recompute's outputs are dropped)."""
+    t = graph.tensors[tid]
+    return min(t.natural_free_op if t.natural_free_op is not None else span.fwd_end, span.fwd_end)
 
 
 def reload_op(graph: OpGraph, tid: int, span: ModuleSpan) -> int | None:

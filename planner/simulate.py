@@ -22,8 +22,8 @@ from costmodels.memory import ModelStates, get_precision, model_state_bytes
 from costmodels.runtime import op_time_s, transfer_time_s
 from planner.config import TrainConfig
 from planner.graph import CATEGORIES, OpGraph
-from planner.schedule import (SpanChoice, cached_outputs, choices_from_decisions, dropped_tensors, recompute_ops,
-                               reload_op)
+from planner.schedule import (SpanChoice, cached_outputs, choices_from_decisions, dropped_tensors,
+                               natural_free_in_span, recompute_ops, reload_op)
 
 __all__ = ["Timeline", "StepCosts", "simulate", "op_times", "category_scale", "model_states_for"]
 
@@ -286,11 +286,6 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
     return _timeline(mem, states, graph, config, costs)
 
 
-def _natural_in_span(graph: OpGraph, tid: int, span) -> int:
-    t = graph.tensors[tid]
-    return min(t.natural_free_op if t.natural_free_op is not None else span.fwd_end, span.fwd_end)
-
-
 def _replay(graph: OpGraph, mem: _Memory, frees, choice: SpanChoice, dropped: list[int],
             popped: list[int], nbytes_of, extra: dict[str, int] | None) -> None:
     """Re-run a recomputed span's forward just before its backward, re-creating what it dropped.
@@ -302,7 +297,7 @@ def _replay(graph: OpGraph, mem: _Memory, frees, choice: SpanChoice, dropped: li
     label = "recompute"
     local_frees: dict[int, list[tuple[str, int]]] = defaultdict(list)
     for tid in popped:
-        local_frees[_natural_in_span(graph, tid, span)].append((graph.tensors[tid].category, nbytes_of(tid)))
+        local_frees[natural_free_in_span(graph, tid, span)].append((graph.tensors[tid].category, nbytes_of(tid)))
     for i in recompute_ops(graph, span, choice.keep_ops, dropped):
         for k in [k for k in local_frees if k <= i]:
             for category, nbytes in local_frees.pop(k):
@@ -315,7 +310,7 @@ def _replay(graph: OpGraph, mem: _Memory, frees, choice: SpanChoice, dropped: li
             if tid in keep and t.free_op is not None and t.free_op > span.bwd_start:
                 frees[t.free_op].append((t.category, nbytes))
             else:
-                local_frees[_natural_in_span(graph, tid, span)].append((t.category, nbytes))
+                local_frees[natural_free_in_span(graph, tid, span)].append((t.category, nbytes))
         mem.sample(span.bwd_start, "backward", f"{label} {op.name}", op.module, extra)
     for pending in local_frees.values():
         for category, nbytes in pending:
