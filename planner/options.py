@@ -18,7 +18,7 @@ from costmodels.hardware import DeviceSpec
 from costmodels.runtime import transfer_time_s
 from planner.graph import OpGraph
 from planner.schedule import (ModuleSpan, SpanChoice, cached_outputs, dropped_tensors, module_span,
-                               natural_free_in_span, recompute_ops, reload_op)
+                               recompute_ops, reload_op, replay_events)
 
 __all__ = ["BlockOption", "OptionEffect", "attention_core_choice", "block_options", "option_effect"]
 
@@ -91,7 +91,6 @@ def option_effect(graph: OpGraph, choice: SpanChoice, times: np.ndarray, device:
         delta[start - lo:end - lo] -= nbytes
     for start, end, nbytes in held:
         delta[start - lo:end - lo] += nbytes
-    drop_set = set(dropped)
     if choice.mode == "offload":
         nbytes = sum(graph.tensors[tid].nbytes for tid in dropped)
         replay_peak = 0  # the reloaded storages only return what the drops took away
@@ -100,26 +99,16 @@ def option_effect(graph: OpGraph, choice: SpanChoice, times: np.ndarray, device:
         # the store overlaps the block's forward; the load is on the critical path (no prefetch)
         cost = max(0.0, tx - fwd_s) + tx
         return OptionEffect(lo, hi, delta, b, replay_peak, cost, 0, nbytes)
-    live = peak = 0
-    local: dict[int, int] = {}
-    for tid, popped in cached:  # taken back by the replay, they die where they naturally would
-        if popped:
-            key = natural_free_in_span(graph, tid, span)
-            local[key] = local.get(key, 0) + _nbytes(graph, tid, scale)
-            live += _nbytes(graph, tid, scale)
-    peak = live
+    popped = [tid for tid, in_replay in cached if in_replay]
+    live = peak = sum(_nbytes(graph, tid, scale) for tid in popped)  # cached since forward
+    for kind, x in replay_events(graph, span, choice.keep_ops, dropped, popped):
+        if kind == "alloc":
+            live += _nbytes(graph, x, scale)
+        elif kind == "free":
+            live -= _nbytes(graph, x, scale)
+        elif kind == "op":
+            peak = max(peak, live)
     redo = recompute_ops(graph, span, choice.keep_ops, dropped)
-    for i in redo:
-        for k in [k for k in local if k <= i]:
-            live -= local.pop(k)
-        for tid in graph.ops[i].allocs:
-            t = graph.tensors[tid]
-            nbytes = _nbytes(graph, tid, scale)
-            live += nbytes
-            if not (tid in drop_set and t.free_op is not None and t.free_op > b):
-                key = natural_free_in_span(graph, tid, span)
-                local[key] = local.get(key, 0) + nbytes
-        peak = max(peak, live)
     flops = sum(graph.ops[i].flops for i in redo)
     # The replay starts after the dropped storages are gone: they come back inside `peak`.
     regained = sum(_nbytes(graph, tid, scale) for tid in dropped

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from planner.graph import OpGraph
 
 __all__ = ["SpanChoice", "ModuleSpan", "module_span", "op_keys", "dropped_tensors", "choices_from_decisions",
-           "recompute_ops", "recompute_stop", "cached_outputs", "natural_free_in_span", "reload_op"]
+           "recompute_ops", "recompute_stop", "cached_outputs", "natural_free_in_span", "replay_events",
+           "reload_op"]
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,36 @@ def natural_free_in_span(graph: OpGraph, tid: int, span: ModuleSpan) -> int:
     the span's end, where the recompute's outputs are dropped)."""
     t = graph.tensors[tid]
     return min(t.natural_free_op if t.natural_free_op is not None else span.fwd_end, span.fwd_end)
+
+
+def replay_events(graph: OpGraph, span: ModuleSpan, keep_ops: frozenset[int], dropped: Sequence[int],
+                  popped: Sequence[int]) -> Iterator[tuple[str, int]]:
+    """The memory events of a recompute replay, in order (shared by the simulator and the solver).
+
+    ("free", storage): a replayed storage dies; ("alloc", storage): the next re-run op re-creates
+    it; ("op", index): that op has run (a sample point); ("hold", storage): a re-created storage
+    that stays until its own backward free. `popped` are cached outputs of kept ops, alive since
+    forward, that the replay takes back and lets die where they naturally would.
+    """
+    drop_set = set(dropped)
+    local: dict[int, list[int]] = defaultdict(list)  # op index -> storages that die before it
+    for tid in popped:
+        local[natural_free_in_span(graph, tid, span)].append(tid)
+    for i in recompute_ops(graph, span, keep_ops, dropped):
+        for k in sorted(k for k in local if k <= i):
+            for tid in local.pop(k):
+                yield "free", tid
+        for tid in graph.ops[i].allocs:
+            t = graph.tensors[tid]
+            yield "alloc", tid
+            if tid in drop_set and t.free_op is not None and t.free_op > span.bwd_start:
+                yield "hold", tid
+            else:
+                local[natural_free_in_span(graph, tid, span)].append(tid)
+        yield "op", i
+    for k in sorted(local):
+        for tid in local[k]:
+            yield "free", tid
 
 
 def reload_op(graph: OpGraph, tid: int, span: ModuleSpan) -> int | None:

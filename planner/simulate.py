@@ -22,8 +22,8 @@ from costmodels.memory import ModelStates, get_precision, model_state_bytes
 from costmodels.runtime import op_time_s, transfer_time_s
 from planner.config import TrainConfig
 from planner.graph import CATEGORIES, OpGraph
-from planner.schedule import (SpanChoice, cached_outputs, choices_from_decisions, dropped_tensors,
-                               natural_free_in_span, recompute_ops, reload_op)
+from planner.schedule import (SpanChoice, cached_outputs, choices_from_decisions, dropped_tensors, recompute_ops,
+                               reload_op, replay_events)
 
 __all__ = ["Timeline", "StepCosts", "simulate", "op_times", "category_scale", "model_states_for"]
 
@@ -288,33 +288,20 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
 
 def _replay(graph: OpGraph, mem: _Memory, frees, choice: SpanChoice, dropped: list[int],
             popped: list[int], nbytes_of, extra: dict[str, int] | None) -> None:
-    """Re-run a recomputed span's forward just before its backward, re-creating what it dropped.
-
-    `popped` are cached outputs of kept ops (alive since forward) that the replay takes back and
-    lets die where they naturally would."""
+    """Re-run a recomputed span's forward just before its backward, re-creating what it dropped."""
     span = choice.span
-    keep = set(dropped)
-    label = "recompute"
-    local_frees: dict[int, list[tuple[str, int]]] = defaultdict(list)
-    for tid in popped:
-        local_frees[natural_free_in_span(graph, tid, span)].append((graph.tensors[tid].category, nbytes_of(tid)))
-    for i in recompute_ops(graph, span, choice.keep_ops, dropped):
-        for k in [k for k in local_frees if k <= i]:
-            for category, nbytes in local_frees.pop(k):
-                mem.add(category, -nbytes)
-        op = graph.ops[i]
-        for tid in op.allocs:
-            t = graph.tensors[tid]
-            nbytes = nbytes_of(tid)
-            mem.add(t.category, nbytes)
-            if tid in keep and t.free_op is not None and t.free_op > span.bwd_start:
-                frees[t.free_op].append((t.category, nbytes))
-            else:
-                local_frees[natural_free_in_span(graph, tid, span)].append((t.category, nbytes))
-        mem.sample(span.bwd_start, "backward", f"{label} {op.name}", op.module, extra)
-    for pending in local_frees.values():
-        for category, nbytes in pending:
-            mem.add(category, -nbytes)
+    for kind, x in replay_events(graph, span, choice.keep_ops, dropped, popped):
+        if kind == "op":
+            op = graph.ops[x]
+            mem.sample(span.bwd_start, "backward", f"recompute {op.name}", op.module, extra)
+            continue
+        t = graph.tensors[x]
+        if kind == "alloc":
+            mem.add(t.category, nbytes_of(x))
+        elif kind == "free":
+            mem.add(t.category, -nbytes_of(x))
+        else:  # "hold": dies at its own backward free, as the original would have
+            frees[t.free_op].append((t.category, nbytes_of(x)))
 
 
 def _timeline(mem: _Memory, states: ModelStates, graph: OpGraph, config: TrainConfig,
