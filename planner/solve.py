@@ -293,7 +293,10 @@ def _solve_cpsat(p: _Problem, budget: int, time_limit_s: float, n: int):
     scale_s = max(max((c for row_ in costs for c in row_), default=0.0), 1e-12) / 1_000_000
     model.Minimize(sum(int(round(c / scale_s)) * y[r][k] for r, row_ in enumerate(costs) for k, c in enumerate(row_)))
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit_s)
+    # A deterministic-time limit makes the plan the same on every run and machine even when the
+    # limit is hit; the wall-clock limit is only a backstop.
+    solver.parameters.max_deterministic_time = float(time_limit_s)
+    solver.parameters.max_time_in_seconds = 3.0 * float(time_limit_s)
     solver.parameters.num_workers = 1  # one worker and a fixed seed: the same plan every run
     solver.parameters.random_seed = 0
     solver.parameters.linearization_level = 2  # a tight LP bound: proves small gaps fast
