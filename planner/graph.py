@@ -7,7 +7,7 @@ real memory, not a sum over views.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import networkx as nx
@@ -75,9 +75,6 @@ class Region:
     fwd_end: int
     bwd_start: int
     bwd_end: int
-
-    def forward_ops(self) -> range:
-        return range(self.fwd_start, self.fwd_end)
 
 
 @dataclass
@@ -155,14 +152,6 @@ class OpGraph:
     def preexisting(self) -> Iterator[TensorInfo]:
         return (t for t in self.tensors.values() if t.alloc_op < 0)
 
-    def region_of_op(self) -> dict[int, int]:
-        """Forward op index -> index into `regions` for ops inside a region's forward."""
-        out: dict[int, int] = {}
-        for r, region in enumerate(self.regions):
-            for i in region.forward_ops():
-                out[i] = r
-        return out
-
     def to_networkx(self) -> nx.DiGraph:
         """Dataflow view: op nodes, with an edge producer -> consumer per storage."""
         g = nx.DiGraph()
@@ -175,16 +164,3 @@ class OpGraph:
             for tid in op.allocs:
                 producer[tid] = op.index
         return g
-
-    def summary(self) -> dict:
-        return {
-            "num_ops": len(self.ops),
-            "num_tensors": len(self.tensors),
-            "num_regions": len(self.regions),
-            "num_parameters": self.num_parameters,
-            "backward_start": self.backward_start,
-            **self.meta,
-        }
-
-    def region_dicts(self) -> list[dict]:
-        return [asdict(r) for r in self.regions]

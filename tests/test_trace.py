@@ -217,3 +217,13 @@ def test_file_spec_traces(bad_models):
     g = trace(f"{bad_models}:good_model", batch_size=2, seq_len=4)
     assert _phase_runs(g)[-1] == "backward"
     assert g.num_parameters == 8 * 16 + 16 + 16 * 8 + 8
+
+
+def test_networkx_view_is_a_dag_in_execution_order(traced):
+    import networkx as nx
+
+    graph = traced("llama-7b-tiny")
+    g = graph.to_networkx()
+    assert nx.is_directed_acyclic_graph(g)
+    assert all(u < v for u, v in g.edges)
+    assert g.number_of_nodes() == len(graph.ops)
