@@ -156,9 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         args.fn(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except ValueError as exc:
         message = " ".join(str(exc).split())
         print(f"memplan {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path that cannot be read or written
+        where = f" '{exc.filename}'" if exc.filename else ""
+        print(f"memplan {args.command}: error: {exc.strerror or exc}{where}; check the path", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

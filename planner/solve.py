@@ -347,6 +347,8 @@ def solve_choices(graph: OpGraph, config: TrainConfig, budget_bytes: int, *, off
     """Cheapest span choices whose simulated peak fits `budget_bytes` (CP-SAT, deterministic)."""
     if budget_bytes <= 0:
         raise ValueError(f"budget must be positive, got {budget_bytes}")
+    if not time_limit_s > 0:
+        raise ValueError(f"--time-limit must be a positive number of seconds, got {time_limit_s}")
     if offload not in (None, "none", "cpu", "disk"):
         raise ValueError(f"unknown offload target '{offload}'; choose one of: none, cpu, disk")
     offload = None if offload in (None, "none") else offload
