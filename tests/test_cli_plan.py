@@ -202,3 +202,15 @@ def test_apply_with_a_wrong_version_plan(plan_file, tmp_path, capsys):
     bad.write_text(json.dumps(dict(json.loads(plan_file.read_text()), schema_version=2)))
     code, out, err = run(["apply", *ARGS, "--plan", str(bad)], capsys)
     assert_user_error(code, err, "apply", "schema_version")
+
+
+def test_non_positive_time_limit_is_a_one_line_error(tmp_path, capsys):
+    code, _, err = run(["plan", *ARGS, "--budget", "1GiB", "--time-limit", "-1", "--out", str(tmp_path / "p.json")],
+                       capsys)
+    assert_user_error(code, err, "plan", "--time-limit")
+
+
+def test_unwritable_output_is_a_one_line_error(tmp_path, capsys):
+    out = tmp_path / "missing-dir" / "p.json"
+    code, _, err = run(["plan", *ARGS, "--budget", "1GiB", "--out", str(out)], capsys)
+    assert_user_error(code, err, "plan", "missing-dir")
