@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from planner.plan import Plan, PlanLadder, check_plan_matches, load_plan
+from planner.regions import parse_segment
 
 __all__ = ["ModulePlan", "PlanHandle", "apply_plan", "returns_tensor", "batch_seq_len"]
 
@@ -206,9 +207,48 @@ class PlanHandle:
     # -- installing -------------------------------------------------------------------
     def _install(self) -> None:
         paths = dict.fromkeys(p for mps in self._by_bucket.values() for p in mps)
+        segments: dict[str, list[tuple[int, int, str]]] = defaultdict(list)  # parent -> (i, j, path)
         for path in paths:
-            self._wrap(path, self.model.get_submodule(path))
+            parsed = parse_segment(path)
+            if parsed is None:
+                self._wrap(path, self.model.get_submodule(path))
+            else:
+                parent, i, j = parsed
+                segments[parent].append((i, j, path))
+        for parent, spans in segments.items():
+            self._wrap_sequential(parent, self.model.get_submodule(parent), sorted(spans))
         self._disable_kv_cache()
+
+    def _wrap_sequential(self, path: str, seq: nn.Sequential, spans: list[tuple[int, int, str]]) -> None:
+        """Run an nn.Sequential child by child, each planned segment of children as one unit."""
+        if getattr(seq.forward, "_memplan_wrapper", False):
+            raise ValueError(f"module '{path}' already has a memplan plan applied; call remove() on "
+                             "its PlanHandle first")
+        self._originals[path or "<root>"] = (seq, seq.__dict__.get("forward"))
+        starts = {i: (j, seg) for i, j, seg in spans}
+        children = list(seq)
+
+        def run(first: int, last: int) -> Callable[[Any], Any]:
+            def body(x: Any) -> Any:
+                for child in children[first:last]:
+                    x = child(x)
+                return x
+            return body
+
+        def forward(x: Any) -> Any:
+            k = 0
+            while k < len(children):
+                if k in starts:
+                    j, seg = starts[k]
+                    x = self._run(seg, run(k, j), (x,), {})
+                    k = j
+                else:
+                    x = children[k](x)
+                    k += 1
+            return x
+
+        forward._memplan_wrapper = True  # type: ignore[attr-defined]
+        seq.forward = forward
         if self.ladder is not None:
             self._hooks.append(self.model.register_forward_pre_hook(self._select_bucket, with_kwargs=True))
 

@@ -12,6 +12,8 @@ from typing import Iterator
 
 import networkx as nx
 
+from planner.regions import parse_segment
+
 CATEGORIES = ("parameter", "buffer", "gradient", "optimizer", "activation", "temporary")
 PHASES = ("forward", "loss", "backward", "optimizer")
 
@@ -142,6 +144,10 @@ class OpGraph:
             self._by_module = index
         if path == "":
             return list(range(len(self.ops)))
+        segment = parse_segment(path)
+        if segment is not None:  # children I..J-1 of a Sequential
+            parent, i, j = segment
+            return sorted(x for k in range(i, j) for x in self.ops_in_module(f"{parent}.{k}" if parent else str(k)))
         prefix = path + "."
         out = list(self._by_module.get(path, ()))
         for name, ids in self._by_module.items():

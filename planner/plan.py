@@ -430,6 +430,17 @@ def _structure(model: Any) -> dict[str, Any]:
     return {"modules": modules, "tensors": sorted(tensors)}
 
 
+def _is_segment_of(model: Any, path: str) -> bool:
+    """Whether `path` (PARENT.I:J) names consecutive children of one of the model's nn.Sequential."""
+    from planner.regions import segment_children
+
+    try:
+        segment_children(model, path)
+    except ValueError:
+        return False
+    return True
+
+
 def model_fingerprint(model: Any) -> str:
     """sha256 over module paths/classes and parameter/buffer names, shapes and dtypes."""
     blob = json.dumps(_structure(model), sort_keys=True, separators=(",", ":"))
@@ -461,7 +472,8 @@ def check_plan_matches(plan: Plan, model: Any) -> None:
     """Raise ValueError saying what differs when ``plan`` was made for another model."""
     info = model_info(model, plan.model.spec)
     names = {name for name, _ in model.named_modules()}
-    missing = list(dict.fromkeys(d.module for d in plan.decisions if d.module not in names))
+    missing = list(dict.fromkeys(d.module for d in plan.decisions
+                                 if d.module not in names and not _is_segment_of(model, d.module)))
     if info.fingerprint == plan.model.fingerprint and not missing:
         return
     parts = []

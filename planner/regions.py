@@ -11,10 +11,41 @@ blocks are one level further down.
 from __future__ import annotations
 
 import hashlib
+import math
+import re
 
 from torch import nn
 
-__all__ = ["find_region_paths", "module_signature"]
+__all__ = ["find_region_paths", "module_signature", "parse_segment", "segment_children", "is_segment"]
+
+_SEGMENT = re.compile(r"^(?:(.*)\.)?(\d+):(\d+)$")
+
+
+def parse_segment(path: str) -> tuple[str, int, int] | None:
+    """'layers.2:4' -> ('layers', 2, 4): children 2 and 3 of an nn.Sequential run as one block."""
+    m = _SEGMENT.match(path)
+    if m is None:
+        return None
+    return m.group(1) or "", int(m.group(2)), int(m.group(3))
+
+
+def is_segment(path: str) -> bool:
+    return parse_segment(path) is not None
+
+
+def segment_children(model: nn.Module, path: str) -> list[str]:
+    """Module paths of a segment's children; ValueError when the model has no such segment."""
+    parsed = parse_segment(path)
+    if parsed is None:
+        raise ValueError(f"'{path}' is not a segment path (PARENT.I:J)")
+    parent, i, j = parsed
+    try:
+        container = model.get_submodule(parent)
+    except AttributeError:
+        container = None
+    if not isinstance(container, nn.Sequential) or not 0 <= i < j <= len(container):
+        raise ValueError(f"segment '{path}' needs an nn.Sequential '{parent or '<root>'}' with children {i} to {j - 1}")
+    return [f"{parent}.{k}" if parent else str(k) for k in range(i, j)]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -45,7 +76,28 @@ def _is_block_container(module: nn.Module) -> bool:
     return composite or len(set(signatures)) < len(signatures)
 
 
+def _flat_segments(path: str, container: nn.Sequential) -> list[str]:
+    """A Sequential of single layers (Linear, ReLU, Linear, ...): checkpointing one layer frees
+    nothing, so its blocks are runs of the repeats of its first layers' pattern, as `PATH.I:J`
+    segments."""
+    signatures = [module_signature(child) for child in container]
+    period = next((k for k in range(1, len(signatures)) if signatures[k] == signatures[0]), 0)
+    if period < 1:
+        return []
+    repeats = 0  # how many times the first pattern repeats from the start
+    while signatures[repeats * period:(repeats + 1) * period] == signatures[:period]:
+        repeats += 1
+    # A one-pattern segment only saves its own input, which the next one saves too: group about
+    # sqrt(repeats) patterns per segment (Chen et al.), at least two.
+    group = max(2, round(math.sqrt(repeats)))
+    prefix = f"{path}." if path else ""
+    size = group * period
+    return [f"{prefix}{start}:{start + size}" for start in range(0, (repeats // group) * size, size)]
+
+
 def _blocks_of(path: str, container: nn.Module) -> list[str]:
+    if isinstance(container, nn.Sequential) and not any(True for c in container for _ in c.children()):
+        return _flat_segments(path, container)
     children = [(name, child) for name, child in container.named_children() if _owns_parameters(child)]
     signatures = {module_signature(child) for _, child in children}
     if len(signatures) > 1 and all(_is_block_container(child) for _, child in children):

@@ -29,7 +29,7 @@ from costmodels.flops import op_bytes_accessed, op_flops
 from costmodels.memory import get_precision
 from planner.graph import OpGraph, OpNode, Region, TensorInfo
 from planner.plan import model_fingerprint
-from planner.regions import find_region_paths, module_signature
+from planner.regions import find_region_paths, is_segment, module_signature, segment_children
 from planner.spec import ModelSpec, SpecError, resolve_spec
 
 __all__ = ["TraceError", "trace", "trace_model", "loss_of", "run_step_inputs"]
@@ -246,7 +246,8 @@ def _regions(model: nn.Module, graph: OpGraph, param_bytes_of: Callable[[nn.Modu
     regions = []
     first_use = graph.first_backward_use()
     for path in find_region_paths(model):
-        module = model.get_submodule(path)
+        modules = ([model.get_submodule(c) for c in segment_children(model, path)] if is_segment(path)
+                   else [model.get_submodule(path)])
         ops = graph.ops_in_module(path)
         fwd = [i for i in ops if i < graph.backward_start]
         bwd = [i for i in ops if i >= graph.backward_start]
@@ -256,7 +257,8 @@ def _regions(model: nn.Module, graph: OpGraph, param_bytes_of: Callable[[nn.Modu
             bwd = [first_use[t.id] for t in saved if t.id in first_use] + [t.free_op - 1 for t in saved]
         if not fwd or not bwd:
             continue
-        regions.append(Region(path, module_signature(module), param_bytes_of(module),
+        signature = "+".join(module_signature(m) for m in modules)
+        regions.append(Region(path, signature, sum(param_bytes_of(m) for m in modules),
                               min(fwd), max(fwd) + 1, min(bwd), max(bwd) + 1))
     return regions
 
