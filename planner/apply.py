@@ -218,6 +218,8 @@ class PlanHandle:
         for parent, spans in segments.items():
             self._wrap_sequential(parent, self.model.get_submodule(parent), sorted(spans))
         self._disable_kv_cache()
+        if self.ladder is not None:
+            self._hooks.append(self.model.register_forward_pre_hook(self._select_bucket, with_kwargs=True))
 
     def _wrap_sequential(self, path: str, seq: nn.Sequential, spans: list[tuple[int, int, str]]) -> None:
         """Run an nn.Sequential child by child, each planned segment of children as one unit."""
@@ -249,8 +251,6 @@ class PlanHandle:
 
         forward._memplan_wrapper = True  # type: ignore[attr-defined]
         seq.forward = forward
-        if self.ladder is not None:
-            self._hooks.append(self.model.register_forward_pre_hook(self._select_bucket, with_kwargs=True))
 
     def _disable_kv_cache(self) -> None:
         """Hugging Face models fill a key/value cache during forward when `config.use_cache` is
