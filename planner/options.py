@@ -17,8 +17,8 @@ import numpy as np
 from costmodels.hardware import DeviceSpec
 from costmodels.runtime import transfer_time_s
 from planner.graph import OpGraph
-from planner.schedule import (ModuleSpan, SpanChoice, cached_outputs, dropped_tensors, module_span,
-                               recompute_ops, reload_op, replay_events)
+from planner.schedule import (ModuleSpan, SpanChoice, cached_outputs, dropped_from, dropped_tensors, module_span,
+                               recompute_cost, reload_op, replay_events)
 
 __all__ = ["BlockOption", "OptionEffect", "attention_core_choice", "block_options", "option_effect"]
 
@@ -73,7 +73,7 @@ def option_effect(graph: OpGraph, choice: SpanChoice, times: np.ndarray, device:
     gone: list[tuple[int, int, int]] = []  # (from, until, bytes) a dropped storage is absent
     for tid in dropped:
         t = graph.tensors[tid]
-        start = t.natural_free_op if t.natural_free_op is not None else graph.backward_start
+        start = dropped_from(graph, tid)
         if choice.mode == "offload":
             back = reload_op(graph, tid, span)
             end = back if back is not None else (t.free_op or b)
@@ -108,12 +108,11 @@ def option_effect(graph: OpGraph, choice: SpanChoice, times: np.ndarray, device:
             live -= _nbytes(graph, x, scale)
         elif kind == "op":
             peak = max(peak, live)
-    redo = recompute_ops(graph, span, choice.keep_ops, dropped)
-    flops = sum(graph.ops[i].flops for i in redo)
+    flops, seconds = recompute_cost(graph, span, choice.keep_ops, dropped, times)
     # The replay starts after the dropped storages are gone: they come back inside `peak`.
     regained = sum(_nbytes(graph, tid, scale) for tid in dropped
                    if graph.tensors[tid].free_op is not None and graph.tensors[tid].free_op > b)
-    return OptionEffect(lo, hi, delta, b, peak - regained, float(times[redo].sum()) if redo else 0.0, flops, 0)
+    return OptionEffect(lo, hi, delta, b, peak - regained, seconds, flops, 0)
 
 
 def _saved_producers(graph: OpGraph, span: ModuleSpan) -> dict[int, int]:

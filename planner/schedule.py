@@ -15,7 +15,7 @@ from typing import Iterable, Iterator, Sequence
 from planner.graph import OpGraph
 
 __all__ = ["SpanChoice", "ModuleSpan", "module_span", "op_keys", "dropped_tensors", "choices_from_decisions",
-           "recompute_ops", "recompute_stop", "cached_outputs", "natural_free_in_span", "replay_events",
+           "recompute_ops", "recompute_stop", "cached_outputs", "natural_free_in_span", "replay_events", "dropped_from", "recompute_cost",
            "reload_op"]
 
 
@@ -164,6 +164,19 @@ def cached_outputs(graph: OpGraph, span: ModuleSpan, keep_ops: frozenset[int],
             if t.free_op is not None and t.free_op < span.bwd_start:
                 out.append((tid, i < stop))
     return out
+
+
+def dropped_from(graph: OpGraph, tid: int) -> int:
+    """The op before which a dropped storage dies in forward: where it would die unsaved."""
+    t = graph.tensors[tid]
+    return t.natural_free_op if t.natural_free_op is not None else graph.backward_start
+
+
+def recompute_cost(graph: OpGraph, span: ModuleSpan, keep_ops: frozenset[int], dropped: Sequence[int],
+                   times) -> tuple[int, float]:
+    """(FLOPs, seconds) of a span's recompute, with `times` the per-op seconds on the target."""
+    redo = recompute_ops(graph, span, keep_ops, dropped)
+    return sum(graph.ops[i].flops for i in redo), float(times[redo].sum()) if redo else 0.0
 
 
 def natural_free_in_span(graph: OpGraph, tid: int, span: ModuleSpan) -> int:

@@ -22,8 +22,8 @@ from costmodels.memory import ModelStates, get_precision, model_state_bytes
 from costmodels.runtime import op_time_s, transfer_time_s
 from planner.config import TrainConfig
 from planner.graph import CATEGORIES, OpGraph
-from planner.schedule import (SpanChoice, cached_outputs, choices_from_decisions, dropped_tensors, recompute_ops,
-                               reload_op, replay_events)
+from planner.schedule import (SpanChoice, cached_outputs, choices_from_decisions, dropped_from, dropped_tensors,
+                               recompute_cost, reload_op, replay_events)
 
 __all__ = ["Timeline", "StepCosts", "simulate", "op_times", "category_scale", "model_states_for"]
 
@@ -233,9 +233,7 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
     for choice in choices:
         dropped = dropped_tensors(graph, choice.span, choice.keep_ops)
         for tid in dropped:
-            t = graph.tensors[tid]
-            frees[t.natural_free_op if t.natural_free_op is not None else graph.backward_start].append(
-                (t.category, nbytes_of(tid)))
+            frees[dropped_from(graph, tid)].append((graph.tensors[tid].category, nbytes_of(tid)))
             moved.add(tid)
         popped = []
         for tid, in_replay in cached_outputs(graph, choice.span, choice.keep_ops, dropped):
@@ -247,9 +245,9 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
                 frees[max(choice.span.bwd_end, t.free_op)].append((t.category, nbytes_of(tid)))
         if choice.mode == "recompute":
             inserts[choice.span.bwd_start].append((choice, dropped, popped))
-            redo = recompute_ops(graph, choice.span, choice.keep_ops, dropped)
-            recompute_flops += sum(graph.ops[i].flops for i in redo)
-            recompute_s += float(times[redo].sum()) if redo else 0.0
+            flops, seconds = recompute_cost(graph, choice.span, choice.keep_ops, dropped, times)
+            recompute_flops += flops
+            recompute_s += seconds
         else:
             offloads.append((choice, sum(graph.tensors[t].nbytes for t in dropped)))
             for tid in dropped:
