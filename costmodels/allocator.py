@@ -100,10 +100,7 @@ def _simulate_expandable(events: Iterable[tuple[int, int]]) -> AllocatorEstimate
     cur = peak = peak_res = 0
     for tid, nbytes in events:
         if nbytes > 0:
-            if tid in live:
-                raise ValueError(f"tensor id {tid!r} allocated twice; free it first (nbytes 0)")
-            rs = round_size(nbytes)
-            small = rs <= kSmallSize
+            rs, small = _check_alloc(tid, nbytes, live)
             live[tid] = (small, rs)
             alloc[small] += rs
             cur += rs
@@ -118,6 +115,14 @@ def _simulate_expandable(events: Iterable[tuple[int, int]]) -> AllocatorEstimate
             cur -= rs
     res = reserved[True] + reserved[False]
     return AllocatorEstimate(cur, res, peak, peak_res, peak_res - peak)
+
+
+def _check_alloc(tid: int, nbytes: int, live: dict) -> tuple[int, bool]:
+    """(rounded size, small pool?) of a new allocation; ValueError if the id is already live."""
+    if tid in live:
+        raise ValueError(f"tensor id {tid!r} allocated twice; free it first (nbytes 0)")
+    rs = round_size(nbytes)
+    return rs, rs <= kSmallSize
 
 
 def _check_free(tid: int, nbytes: int, live: dict) -> None:
@@ -137,10 +142,7 @@ def simulate_allocator(events: Iterable[tuple[int, int]], expandable_segments: b
     allocated = reserved = peak_alloc = peak_res = 0
     for tid, nbytes in events:
         if nbytes > 0:
-            if tid in live:
-                raise ValueError(f"tensor id {tid!r} allocated twice; free it first (nbytes 0)")
-            rs = round_size(nbytes)
-            small = rs <= kSmallSize
+            rs, small = _check_alloc(tid, nbytes, live)
             pool = pools[small]
             i = bisect_left(pool.free, (rs, -1))
             if i < len(pool.free):
