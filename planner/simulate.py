@@ -137,7 +137,7 @@ def category_scale(graph: OpGraph, config: TrainConfig) -> dict[str, float]:
     return {c: want[c] / traced[c] if traced[c] else 1.0 for c in traced}
 
 
-def _block_transients(graph: OpGraph, config: TrainConfig) -> dict[int, dict[str, int]]:
+def _block_transients(graph: OpGraph, config: TrainConfig, scale: dict[str, float]) -> dict[int, dict[str, int]]:
     """Op index -> extra bytes of sharding buffers while a block runs.
 
     ZeRO-3/FSDP gathers a block's parameters for its forward and backward (one block at a time:
@@ -148,7 +148,7 @@ def _block_transients(graph: OpGraph, config: TrainConfig) -> dict[int, dict[str
     out: dict[int, dict[str, int]] = defaultdict(lambda: {"parameter": 0, "gradient": 0})
     if config.dp == 1 or config.zero_stage < 2:
         return {}
-    unsharded = max(0.0, 1.0 - category_scale(graph, config)["gradient"])
+    unsharded = max(0.0, 1.0 - scale["gradient"])
     grad_bytes = np.zeros(len(graph.ops), dtype=np.int64)
     for t in graph.tensors.values():
         if t.category == "gradient" and t.alloc_op >= 0:
@@ -214,7 +214,7 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
     scale = category_scale(graph, config)
     states = model_states_for(graph, config)
     times = op_times(graph, device)
-    transients = _block_transients(graph, config)
+    transients = _block_transients(graph, config, scale)
 
     def nbytes_of(tid: int) -> int:
         t = graph.tensors[tid]
