@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -113,9 +114,7 @@ def check_plan_for_spec(spec: str, config: TrainConfig, plan_path: str) -> str:
         if get_precision(p.config["precision"]).param_dtype != torch.float32:
             model.to(get_precision(p.config["precision"]).param_dtype)
         check_plan_matches(p, model)
-        kinds: dict[str, int] = {}
-        for d in p.decisions:
-            kinds[d.action if d.op is None else f"{d.action} op"] = kinds.get(d.action if d.op is None else f"{d.action} op", 0) + 1
+        kinds = Counter(d.action if d.op is None else f"{d.action} op" for d in p.decisions)
         lines.append(f"seq {p.config['seq_len']}: {p.strategy} plan matches {spec}; "
                      + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
                      + f"; predicted peak {p.predicted.peak_bytes} B, overhead {p.predicted.overhead * 100:.1f}%")
