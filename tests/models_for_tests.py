@@ -65,3 +65,11 @@ class RandomNet(nn.Module):
 
 def random_net(width: int, blocks: list[tuple[int, str, bool]], batch_size: int, seq_len: int):
     return RandomNet(width, blocks), (torch.randn(batch_size, seq_len, width),)
+
+
+def flat_sequential(batch_size: int, seq_len: int):
+    """A flat nn.Sequential: 16 repeats of (Linear 64, GELU), then a head."""
+    layers = []
+    for _ in range(16):
+        layers += [nn.Linear(64, 64), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(64, 1)), (torch.randn(batch_size, seq_len, 64),)
