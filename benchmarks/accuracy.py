@@ -14,9 +14,10 @@ from benchmarks.common import Options, gb, pct, print_table
 from benchmarks.models import spec
 from planner.api import trace_for, verify_model
 from planner.config import TrainConfig
-from planner.planning import solve
-from planner.simulate import simulate
-from planner.solve import InfeasibleBudget, strategy_choices
+from planner.errors import InfeasibleBudget
+from planner.simulation.step import simulate
+from planner.solver.baselines import strategy_choices
+from planner.solver.planning import solve
 
 BUDGET_FRACTION = 0.7
 TOLERANCE = 0.03  # the requirement: |predicted - measured| / measured within 3% on every CPU row

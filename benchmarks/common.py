@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.graph import CATEGORIES
-from planner.report import format_bytes, table
+from planner.cli.report import table
+from planner.tracing.graph import CATEGORIES
+from planner.units import format_bytes
 
 
 @dataclass(frozen=True)

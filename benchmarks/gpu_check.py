@@ -29,8 +29,8 @@ def check(name: str, model_spec: str, seq: int, precision: str) -> dict:
     from costmodels.memory import get_precision
     from planner.api import simulate_model
     from planner.config import TrainConfig
-    from planner.spec import resolve_spec
-    from planner.trace import loss_of, run_step_inputs
+    from planner.tracing.recorder import loss_of, run_step_inputs
+    from planner.tracing.specs import resolve_spec
 
     config = TrainConfig(batch_size=1, seq_len=seq, precision=precision, gpu=_gpu_name())
     predicted = simulate_model(model_spec, config).peak_bytes

@@ -13,8 +13,8 @@ QUICK = [("llama-7b", 4096, "h100-80gb"), ("llama-70b", 4096, "h100-80gb")]
 
 
 def _fit(model: str, config: TrainConfig):
-    """planner.fit.fit (ZeRO-3 dp search; plan budget = 95% of capacity)."""
-    from planner.fit import fit
+    """planner.analysis.fit.fit (ZeRO-3 dp search; plan budget = 95% of capacity)."""
+    from planner.analysis.fit import fit
 
     r = fit(model, config)
     return r.min_gpus_without_plan, r.without_plan, r.min_gpus_with_plan, r.with_plan, r.budget_bytes

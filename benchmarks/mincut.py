@@ -18,8 +18,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from costmodels.flops import op_bytes_accessed, op_flops
 from costmodels.runtime import op_time_s
-from planner.spec import resolve_spec
-from planner.trace import loss_of, run_step_inputs
+from planner.tracing.recorder import loss_of, run_step_inputs
+from planner.tracing.specs import resolve_spec
 
 
 class _Loss(nn.Module):
@@ -138,7 +138,10 @@ def partition(spec: str, batch_size: int, seq_len: int, budget: float | None) ->
     """One real forward+backward through aot_module; budget None = default_partition (no remat)."""
     from functorch.compile import aot_module, make_boxed_func
     from torch._functorch import config as fconfig
-    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+    from torch._functorch.partitioners import (
+        default_partition,
+        min_cut_rematerialization_partition,
+    )
 
     torch.manual_seed(0)
     model, inputs = resolve_spec(spec).build(batch_size=batch_size, seq_len=seq_len)

@@ -1,15 +1,26 @@
 """Second-size and benchmark-only model specs, used as `benchmarks/models.py:FUNC`.
 
-Every function is FUNC(batch_size=B, seq_len=S) -> (model, inputs), built from planner.models configs.
+Every function is FUNC(batch_size=B, seq_len=S) -> (model, inputs), built from planner.tracing.models configs.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from planner.models import ConvNetConfig, EncoderConfig, GPTConfig, LlamaConfig, MLPConfig
-from planner.spec import (
-    _build_convnet, _build_encoder, _build_gpt, _build_kwargs_llama, _build_llama, _build_mlp,
+from planner.tracing.models import (
+    ConvNetConfig,
+    EncoderConfig,
+    GPTConfig,
+    LlamaConfig,
+    MLPConfig,
+)
+from planner.tracing.specs import (
+    _build_convnet,
+    _build_encoder,
+    _build_gpt,
+    _build_kwargs_llama,
+    _build_llama,
+    _build_mlp,
 )
 
 FILE = str(Path(__file__).resolve())

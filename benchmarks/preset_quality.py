@@ -9,8 +9,8 @@ import time
 from benchmarks.common import Options, gb, pct, print_table
 from planner.api import trace_for
 from planner.config import TrainConfig
-from planner.planning import BASELINES, compare_strategies, solve
-from planner.simulate import simulate
+from planner.simulation.step import simulate
+from planner.solver.planning import BASELINES, compare_strategies, solve
 
 MODELS = [("llama-7b", TrainConfig(batch_size=1, seq_len=4096, precision="bf16-mixed", gpu="h100-80gb",
                                    zero_stage=3, dp=8)),

@@ -12,19 +12,32 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.common import Options, gb, graph_flops, pct, print_table, ratio, saved_activation_bytes, sci
+from benchmarks.common import (
+    Options,
+    gb,
+    graph_flops,
+    pct,
+    print_table,
+    ratio,
+    saved_activation_bytes,
+    sci,
+)
 from benchmarks.mincut import partition, recompute_flops, recompute_time_s
-from costmodels.hardware import get_device
 from benchmarks.models import spec
 from costmodels.flops import op_flops
+from costmodels.hardware import get_device
 from planner.api import trace_for
-from planner.apply import apply_plan
 from planner.config import TrainConfig
-from planner.planning import BASELINES, compare_strategies, solve
-from planner.schedule import choices_from_decisions, dropped_tensors, recompute_ops
-from planner.simulate import simulate
-from planner.spec import resolve_spec
-from planner.trace import loss_of, run_step_inputs
+from planner.runtime.apply import apply_plan
+from planner.simulation.effects import (
+    choices_from_decisions,
+    dropped_tensors,
+    recompute_ops,
+)
+from planner.simulation.step import simulate
+from planner.solver.planning import BASELINES, compare_strategies, solve
+from planner.tracing.recorder import loss_of, run_step_inputs
+from planner.tracing.specs import resolve_spec
 
 # name, spec, batch size, seq_len (resnet: image side)
 MODELS = [("llama", spec("llama_act"), 4, 512), ("gpt2", spec("gpt2_act"), 4, 512),
@@ -73,7 +86,7 @@ def real_flops(model_spec: str, batch: int, seq: int, plan) -> tuple[int, int, C
 
 
 def predicted_by_op(graph, plan) -> Counter:
-    """Predicted recomputed FLOPs by op name: the ops planner.schedule.recompute_ops re-runs."""
+    """Predicted recomputed FLOPs by op name: the ops planner.simulation.effects.recompute_ops re-runs."""
     out: Counter = Counter()
     for c in choices_from_decisions(graph, plan.decisions):
         if c.mode != "recompute":

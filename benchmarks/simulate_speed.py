@@ -18,7 +18,7 @@ QUICK = ("single", "sweep-8")
 
 def _command() -> list[str]:
     exe = ROOT / ".venv" / "bin" / "memplan"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "planner.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "planner.cli.main"]
 
 
 def run(opts: Options) -> list[dict]:

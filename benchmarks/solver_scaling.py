@@ -11,8 +11,9 @@ from benchmarks.common import Options, gb, pct, print_table
 from benchmarks.models import spec
 from planner.api import trace_for
 from planner.config import TrainConfig
-from planner.simulate import simulate
-from planner.solve import solve_choices, strategy_choices
+from planner.simulation.step import simulate
+from planner.solver.baselines import strategy_choices
+from planner.solver.cpsat import solve_choices
 
 LAYERS = (2, 8, 32, 64, 128)
 QUICK_LAYERS = (2, 8, 16)

@@ -10,11 +10,11 @@ import torch
 
 from costmodels.memory import get_precision
 from planner.config import TrainConfig
-from planner.plan import Plan, PlanLadder, load_plan
-from planner.simulate import Timeline, simulate
-from planner.spec import resolve_spec
-from planner.trace import trace
-from planner.verify import Measurement, measure_step
+from planner.plans.format import Plan, PlanLadder, load_plan
+from planner.runtime.verify import Measurement, measure_step
+from planner.simulation.step import Timeline, simulate
+from planner.tracing.recorder import trace
+from planner.tracing.specs import resolve_spec
 
 __all__ = ["simulate_model", "VerifyResult", "verify_model", "plan_for_config", "trace_for", "plan_model",
            "check_plan_for_spec"]
@@ -59,7 +59,7 @@ class VerifyResult:
 def verify_model(spec: str, config: TrainConfig, plan: Plan | PlanLadder | str | None = None,
                  seed: int = 0) -> VerifyResult:
     """Build the real model on CPU, run a warm-up and a measured step, compare with the simulator."""
-    from planner.apply import apply_plan
+    from planner.runtime.apply import apply_plan
 
     if config.gpu != "cpu":
         raise ValueError(f"verify runs on this machine's CPU; use --gpu cpu (got {config.gpu})")
@@ -92,7 +92,7 @@ def trace_for(spec: str, config: TrainConfig, lifetimes: bool = True):
 def plan_model(spec: str, config: TrainConfig, budget_bytes: int, *, strategy: str = "optimal",
                offload: str | None = None, keep=(), recompute=(), time_limit_s: float = 10.0):
     """Trace, compare the baseline strategies and solve: (plan, comparison rows, no-plan peak)."""
-    from planner.planning import compare_strategies, solve
+    from planner.solver.planning import compare_strategies, solve
 
     graph = trace_for(spec, config)
     plan = solve(graph, config, budget_bytes, strategy=strategy, offload=offload, keep=keep,
@@ -103,7 +103,7 @@ def plan_model(spec: str, config: TrainConfig, budget_bytes: int, *, strategy: s
 
 def check_plan_for_spec(spec: str, config: TrainConfig, plan_path: str) -> str:
     """Build the model on the meta device, check the plan matches it, describe what it wraps."""
-    from planner.plan import check_plan_matches
+    from planner.plans.format import check_plan_matches
 
     plan = load_plan(plan_path)
     plans = [p for _, p in plan.buckets] if isinstance(plan, PlanLadder) else [plan]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from planner.cli import main
+from planner.cli.main import main
 
 
 def run(argv, capsys):

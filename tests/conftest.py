@@ -12,7 +12,7 @@ _TRACES: dict = {}
 
 def cached_trace(preset: str, batch_size: int = 1, seq_len: int = 32, precision: str = "fp32"):
     """trace() memoised on (preset, batch, seq, precision); graphs are treated as read-only."""
-    from planner.trace import trace
+    from planner.tracing.recorder import trace
 
     key = (preset, batch_size, seq_len, precision)
     if key not in _TRACES:

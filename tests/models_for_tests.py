@@ -1,6 +1,6 @@
 """Test-only model builders (spec strings f"{__file__}:NAME"): activation-dominated configs.
 
-Each FUNC(batch_size=, seq_len=) returns (model, inputs) like planner.spec presets.
+Each FUNC(batch_size=, seq_len=) returns (model, inputs) like planner.tracing.specs presets.
 """
 
 from __future__ import annotations
@@ -8,7 +8,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from planner.models import ConvNet, ConvNetConfig, GPT, GPTConfig, Llama, LlamaConfig
+from planner.tracing.models import (
+    GPT,
+    ConvNet,
+    ConvNetConfig,
+    GPTConfig,
+    Llama,
+    LlamaConfig,
+)
 
 PATH = __file__
 

@@ -1,4 +1,4 @@
-"""Tests for planner.apply: applying plans (recompute, selective recompute, offload, ladders)."""
+"""Tests for planner.runtime.apply: applying plans (recompute, selective recompute, offload, ladders)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,21 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from planner.apply import apply_plan, batch_seq_len, returns_tensor
 from planner.config import TrainConfig
-from planner.plan import Decision, ModelInfo, Plan, PlanLadder, Predicted, SolverInfo, model_info
-from planner.regions import find_region_paths
-from planner.spec import resolve_spec
-from planner.trace import loss_of, run_step_inputs
-from planner.verify import measure_step
+from planner.plans.format import (
+    Decision,
+    ModelInfo,
+    Plan,
+    PlanLadder,
+    Predicted,
+    SolverInfo,
+    model_info,
+)
+from planner.runtime.apply import apply_plan, batch_seq_len, returns_tensor
+from planner.runtime.verify import measure_step
+from planner.tracing.blocks import find_region_paths
+from planner.tracing.recorder import loss_of, run_step_inputs
+from planner.tracing.specs import resolve_spec
 
 SEQ, BATCH = 32, 2
 PREDICTED = Predicted(0, 0, 0, 0.0, 0, 0.0, 0.0, 0.0)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-
 from cli_helpers import assert_user_error, run
 
 SNAPSHOTS = "tests/data/snapshots"

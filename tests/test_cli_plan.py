@@ -6,18 +6,16 @@ import json
 from functools import lru_cache
 
 import pytest
+from cli_helpers import assert_user_error, run
+from models_for_tests import PATH
 
 from planner.api import trace_for
-from planner.cli import main
+from planner.cli.main import main
 from planner.config import TrainConfig
-from planner.plan import Plan, PlanLadder, load_plan
-from planner.planning import BASELINES
-from planner.simulate import simulate
-from planner.solve import strategy_choices
-
-from cli_helpers import assert_user_error, run
-
-from models_for_tests import PATH
+from planner.plans.format import Plan, PlanLadder, load_plan
+from planner.simulation.step import simulate
+from planner.solver.baselines import strategy_choices
+from planner.solver.planning import BASELINES
 
 GPT = f"{PATH}:gpt_small"
 LLAMA = f"{PATH}:llama_small"

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from planner.graph import CATEGORIES
-from planner.spec import list_presets
-
 from cli_helpers import assert_user_error, run
+
+from planner.tracing.graph import CATEGORIES
+from planner.tracing.specs import list_presets
 
 
 def test_simulate_json(tmp_path, capsys):

@@ -5,7 +5,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costmodels import AllocatorEstimate, fragmentation_headroom, round_size, segment_size, simulate_allocator
+from costmodels import (
+    AllocatorEstimate,
+    fragmentation_headroom,
+    round_size,
+    segment_size,
+    simulate_allocator,
+)
 
 KiB, MiB = 1024, 1024**2
 

@@ -1,6 +1,6 @@
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from costmodels import op_bytes_accessed, op_flops
 

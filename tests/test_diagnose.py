@@ -1,15 +1,22 @@
-"""Tests for planner.diagnose: verdict classes, ranked simulated remedies, allocator estimate."""
+"""Tests for planner.analysis.diagnose: verdict classes, ranked simulated remedies, allocator estimate."""
 
 from __future__ import annotations
 
 import pytest
 
 from costmodels.hardware import get_device
-from planner.config import TrainConfig
-from planner.diagnose import (VERDICTS, Diagnosis, allocator_estimate, allocator_events, diagnose,
-                              diagnose_oom_message, diagnose_snapshot)
-from planner.simulate import simulate
+from planner.analysis.diagnose import (
+    VERDICTS,
+    Diagnosis,
+    allocator_estimate,
+    allocator_events,
+    diagnose,
+    diagnose_oom_message,
+    diagnose_snapshot,
+)
 from planner.api import trace_for
+from planner.config import TrainConfig
+from planner.simulation.step import simulate
 
 A100 = get_device("a100-40gb").memory_bytes
 

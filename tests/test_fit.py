@@ -1,16 +1,16 @@
-"""Tests for planner.fit: smallest GPU count (ZeRO-3 dp) and the largest fitting batch/sequence."""
+"""Tests for planner.analysis.fit: smallest GPU count (ZeRO-3 dp) and the largest fitting batch/sequence."""
 
 from __future__ import annotations
 
 import pytest
 
 from costmodels.hardware import get_device
+from planner.analysis.fit import RESERVE, FitResult, fit, largest_fitting
 from planner.api import trace_for
 from planner.config import TrainConfig
-from planner.fit import RESERVE, FitResult, fit, largest_fitting
-from planner.planning import solve
-from planner.simulate import simulate
-from planner.solve import InfeasibleBudget
+from planner.errors import InfeasibleBudget
+from planner.simulation.step import simulate
+from planner.solver.planning import solve
 
 CONFIG = TrainConfig(batch_size=1, seq_len=4096, precision="bf16-mixed", gpu="a100-40gb")
 BUDGET = int(get_device("a100-40gb").memory_bytes * (1 - RESERVE))

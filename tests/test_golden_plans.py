@@ -11,12 +11,11 @@ import os
 from pathlib import Path
 
 import pytest
+from models_for_tests import PATH
 
 from planner.api import plan_model, trace_for
 from planner.config import TrainConfig
-from planner.simulate import simulate
-
-from models_for_tests import PATH
+from planner.simulation.step import simulate
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -9,12 +9,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from planner.api import plan_model, trace_for
-from planner.apply import apply_plan
 from planner.config import TrainConfig
-from planner.plan import PlanLadder
-from planner.simulate import simulate
-from planner.spec import resolve_spec
-from planner.verify import measure_step
+from planner.plans.format import PlanLadder
+from planner.runtime.apply import apply_plan
+from planner.runtime.verify import measure_step
+from planner.simulation.step import simulate
+from planner.tracing.specs import resolve_spec
 
 SPEC = "llama-7b-tiny"
 BATCH = 2

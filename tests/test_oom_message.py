@@ -1,4 +1,4 @@
-"""Tests for planner.oom_message: CUDA OOM message parsing and verdicts."""
+"""Tests for planner.analysis.oom_message: CUDA OOM message parsing and verdicts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.oom_message import NOT_OOM, OomExplanation, explain_oom_message, parse_size
+from planner.analysis.oom_message import (
+    NOT_OOM,
+    OomExplanation,
+    explain_oom_message,
+    parse_size,
+)
 
 GiB = 1024**3
 MiB = 1024**2

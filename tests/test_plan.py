@@ -1,4 +1,4 @@
-"""Tests for planner.plan: the versioned plan file."""
+"""Tests for planner.plans.format: the versioned plan file."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from planner.plan import (
+from planner.plans.format import (
     SCHEMA_VERSION,
     Decision,
     ModelInfo,
@@ -22,10 +22,10 @@ from planner.plan import (
     SolverInfo,
     check_plan_matches,
     load_plan,
-    model_fingerprint,
     model_info,
     plan_schema,
 )
+from planner.tracing.fingerprint import model_fingerprint
 
 
 def make_model(hidden: int = 8) -> nn.Module:

@@ -8,19 +8,19 @@ from functools import lru_cache
 
 import pytest
 import torch
+from models_for_tests import PATH
 
 from planner.api import plan_model, trace_for, verify_model
-from planner.apply import apply_plan
 from planner.config import TrainConfig
-from planner.plan import Plan, load_plan
-from planner.planning import BASELINES, compare_strategies, decisions_for, solve
-from planner.schedule import SpanChoice, module_span
-from planner.simulate import simulate
-from planner.solve import InfeasibleBudget, strategy_choices
-from planner.spec import resolve_spec
-from planner.trace import loss_of, run_step_inputs
-
-from models_for_tests import PATH
+from planner.errors import InfeasibleBudget
+from planner.plans.format import Plan, load_plan
+from planner.runtime.apply import apply_plan
+from planner.simulation.effects import SpanChoice, module_span
+from planner.simulation.step import simulate
+from planner.solver.baselines import strategy_choices
+from planner.solver.planning import BASELINES, compare_strategies, decisions_for, solve
+from planner.tracing.recorder import loss_of, run_step_inputs
+from planner.tracing.specs import resolve_spec
 
 # Activation-dominated configs where 60% of the no-plan peak is reachable ('full' reaches 44-50%).
 CONFIGS = {

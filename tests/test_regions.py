@@ -7,11 +7,11 @@ import torch
 from torch import nn
 
 from planner.api import plan_model, verify_model
-from planner.apply import apply_plan
 from planner.config import TrainConfig
-from planner.regions import find_region_paths, parse_segment, segment_children
-from planner.spec import resolve_spec
-from planner.trace import loss_of, run_step_inputs
+from planner.runtime.apply import apply_plan
+from planner.tracing.blocks import find_region_paths, parse_segment, segment_children
+from planner.tracing.recorder import loss_of, run_step_inputs
+from planner.tracing.specs import resolve_spec
 
 FLAT = '''
 import torch

@@ -1,4 +1,4 @@
-"""Invariants of the event simulator (planner.simulate) over presets, sizes and configurations."""
+"""Invariants of the event simulator (planner.simulation.step) over presets, sizes and configurations."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import cached_trace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import cached_trace
 from costmodels.memory import get_precision, model_state_bytes
 from planner.config import TrainConfig
-from planner.graph import CATEGORIES
-from planner.schedule import SpanChoice, dropped_tensors, module_span
-from planner.simulate import simulate
+from planner.simulation.effects import SpanChoice, dropped_tensors, module_span
+from planner.simulation.step import simulate
+from planner.tracing.graph import CATEGORIES
 
 FAMILIES = ["llama-7b-tiny", "gpt2-tiny", "mistral-7b-tiny", "resnet-tiny", "kwargs-tiny", "mlp-tiny", "bert-tiny"]
 SEQS = [8, 16, 32, 64]
@@ -137,7 +137,7 @@ def test_zero2_peak_not_above_zero1():
 # -- model states of llama-70b: no trace needed -------------------------------------------------
 @pytest.fixture(scope="module")
 def llama70b_shapes():
-    from planner.spec import resolve_spec
+    from planner.tracing.specs import resolve_spec
 
     with torch.device("meta"):
         model, _ = resolve_spec("llama-70b").build(batch_size=1, seq_len=8)

@@ -1,4 +1,4 @@
-"""Tests for planner.snapshot: safe loading and analysis of CUDA memory snapshots."""
+"""Tests for planner.analysis.snapshot: safe loading and analysis of CUDA memory snapshots."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.snapshot import (
+from planner.analysis.snapshot import (
     SnapshotReport,
     analyze_snapshot,
     load_snapshot_bytes,

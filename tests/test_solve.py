@@ -1,4 +1,4 @@
-"""planner.solve: CP-SAT against exhaustive search on random small graphs, baseline rules,
+"""planner.solver.cpsat: CP-SAT against exhaustive search on random small graphs, baseline rules,
 determinism, --keep/--recompute globs, infeasible budgets."""
 
 from __future__ import annotations
@@ -8,18 +8,17 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from exhaustive import exhaustive_solve
+from models_for_tests import random_net
 from torch._subclasses import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from planner.config import TrainConfig
-from planner.simulate import simulate
-from planner.solve import (
-    RELATIVE_GAP_LIMIT, STRATEGIES, InfeasibleBudget, check_strategy, exhaustive_solve, solve_choices,
-    strategy_choices,
-)
-from planner.trace import trace_model
-
-from models_for_tests import random_net
+from planner.errors import InfeasibleBudget
+from planner.simulation.step import simulate
+from planner.solver.baselines import STRATEGIES, check_strategy, strategy_choices
+from planner.solver.cpsat import RELATIVE_GAP_LIMIT, solve_choices
+from planner.tracing.recorder import trace_model
 
 CONFIG = TrainConfig(batch_size=2, seq_len=16)
 ACTS = ("gelu", "relu", "tanh", "silu")

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses import FakeTensorMode
 
-from planner.models import KwargsLlama, Llama, LlamaConfig, repeat_kv
-from planner.spec import PRESETS, ModelSpec, SpecError, list_presets, resolve_spec
+from planner.errors import SpecError
+from planner.tracing.models import KwargsLlama, Llama, LlamaConfig, repeat_kv
+from planner.tracing.specs import PRESETS, ModelSpec, list_presets, resolve_spec
 
 TINY = [name for name in PRESETS if name.endswith("-tiny")]
 BIG = {  # preset -> (expected parameter count, relative tolerance)
@@ -161,7 +162,7 @@ def test_module_function_spec_builds(tmp_path, monkeypatch) -> None:
         ("no-such-model", "or use PATH.py:FUNC, package.module:FUNC, hf:PATH/config.json"),
         ("missing/file.py:make", "model file missing/file.py not found"),
         ("no_such_package.models:make", "cannot import module no_such_package.models: ModuleNotFoundError"),
-        ("planner.spec:no_such_function", "module planner.spec has no function 'no_such_function'"),
+        ("planner.tracing.specs:no_such_function", "module planner.tracing.specs has no function 'no_such_function'"),
     ],
 )
 def test_bad_spec_strings(spec: str, words: str) -> None:

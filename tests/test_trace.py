@@ -1,4 +1,4 @@
-"""Structure of traced training steps (planner.trace -> OpGraph)."""
+"""Structure of traced training steps (planner.tracing.recorder -> OpGraph)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from collections import Counter
 
 import pytest
 
-from planner.graph import CATEGORIES, PHASES
-from planner.trace import TraceError, trace
+from planner.errors import TraceError
+from planner.tracing.graph import CATEGORIES, PHASES
+from planner.tracing.recorder import trace
 
 PRESETS = ["llama-7b-tiny", "gpt2-tiny", "mistral-7b-tiny", "resnet-tiny", "kwargs-tiny", "mlp-tiny", "bert-tiny"]
 SEQ = {"resnet-tiny": 16, "mlp-tiny": 8}

@@ -7,8 +7,9 @@ import torch
 
 from planner.api import verify_model
 from planner.config import TrainConfig
-from planner.spec import resolve_spec
-from planner.verify import LiveBytesTracker, measure_step
+from planner.runtime.tracker import LiveBytesTracker
+from planner.runtime.verify import measure_step
+from planner.tracing.specs import resolve_spec
 
 TOLERANCE = 0.03
 

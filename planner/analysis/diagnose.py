@@ -15,8 +15,9 @@ from typing import Any, Iterator
 from costmodels.allocator import AllocatorEstimate, simulate_allocator
 from costmodels.hardware import get_device
 from planner.config import TrainConfig
-from planner.graph import OpGraph
-from planner.simulate import Timeline, category_scale, model_states_for, simulate
+from planner.simulation.costs import category_scale, model_states_for
+from planner.simulation.step import Timeline, simulate
+from planner.tracing.graph import OpGraph
 
 __all__ = ["Remedy", "Diagnosis", "diagnose", "diagnose_snapshot", "diagnose_oom_message",
            "allocator_events", "allocator_estimate", "VERDICTS"]
@@ -198,9 +199,9 @@ def _longest_seq(traces: _Traces, config: TrainConfig, capacity: int) -> int | N
 # -- remedies -------------------------------------------------------------------------------------
 def _remedies(traces: _Traces, config: TrainConfig, base: Timeline, verdict: str,
               capacity: int, time_limit_s: float) -> list[Remedy]:
-    from planner.planning import solve
-    from planner.report import format_bytes
-    from planner.solve import InfeasibleBudget
+    from planner.errors import InfeasibleBudget
+    from planner.solver.planning import solve
+    from planner.units import format_bytes
 
     device = get_device(config.gpu)
     graph = traces(config)
@@ -318,7 +319,7 @@ def diagnose(spec: str, config: TrainConfig, *, remedies: bool = True, time_limi
 
 def _summary(verdict: str, spec: str, config: TrainConfig, tl: Timeline, states: int, capacity: int,
              expected: int, longest: int | None) -> str:
-    from planner.report import format_bytes as fb
+    from planner.units import format_bytes as fb
 
     where = f"{tl.peak_phase} at {tl.peak_op} (module '{tl.peak_module or '<root>'}')"
     if verdict == "oom-init":
@@ -335,14 +336,14 @@ def _summary(verdict: str, spec: str, config: TrainConfig, tl: Timeline, states:
 
 
 def diagnose_snapshot(path: str):
-    """Read and analyse a CUDA caching-allocator snapshot file (planner.snapshot.SnapshotReport)."""
-    from planner.snapshot import read_snapshot
+    """Read and analyse a CUDA caching-allocator snapshot file (planner.analysis.snapshot.SnapshotReport)."""
+    from planner.analysis.snapshot import read_snapshot
 
     return read_snapshot(path)
 
 
 def diagnose_oom_message(text: str):
-    """Explain a CUDA out-of-memory message (planner.oom_message.OomExplanation)."""
-    from planner.oom_message import explain_oom_message
+    """Explain a CUDA out-of-memory message (planner.analysis.oom_message.OomExplanation)."""
+    from planner.analysis.oom_message import explain_oom_message
 
     return explain_oom_message(text)

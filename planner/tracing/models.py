@@ -433,3 +433,11 @@ class MLP(nn.Module):
             x = layer(x)
         y = self.head(x)  # (B, S, out)
         return y if target is None else F.mse_loss(y, target)
+
+
+def random_tokens(batch_size: int, seq_len: int, vocab_size: int) -> tuple[Tensor, Tensor]:
+    """Random (B, S) input ids and aligned labels."""
+    return (
+        torch.randint(0, vocab_size, (batch_size, seq_len)),
+        torch.randint(0, vocab_size, (batch_size, seq_len)),
+    )

@@ -15,24 +15,32 @@ import itertools
 import shutil
 import tempfile
 import warnings
-import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
-from planner.plan import Plan, PlanLadder, check_plan_matches, load_plan
-from planner.regions import parse_segment
+from planner.plans.format import Plan, PlanLadder, check_plan_matches, load_plan
+from planner.runtime.offload import (
+    SPILL_PREFIX,
+    Spilled,
+    pack_to_host,
+    storage_ptrs,
+    unpack_from_host,
+)
+from planner.tracing.blocks import parse_segment
 
 __all__ = ["ModulePlan", "PlanHandle", "apply_plan", "returns_tensor", "batch_seq_len"]
 
-SPILL_PREFIX = "memplan-spill-"
 
 
 @dataclass(frozen=True)
@@ -52,7 +60,7 @@ def returns_tensor(func: Any) -> bool:
 def module_plans(plan: Plan) -> dict[str, ModulePlan]:
     """Module path -> ModulePlan for the whole-module decisions of `plan` that change anything.
 
-    Op-level decisions other than "keep" mean "recompute", as in planner.schedule.
+    Op-level decisions other than "keep" mean "recompute", as in planner.simulation.effects.
     """
     out: dict[str, ModulePlan] = {}
     for d in plan.decisions:
@@ -95,72 +103,16 @@ def selective_context_fn(keep_ops: frozenset[str]) -> Callable[[], tuple[Any, An
 # ---------------------------------------------------------------- offload
 
 
-def _storage_ptrs(tensors: Iterable[Any]) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether `t` covers its memory exactly once in some dim order (a permuted contiguous tensor)."""
-    expected = 1
-    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
-class _Spilled:
-    """A saved tensor written to one raw file; the file goes when this record is read or freed."""
-
-    def __init__(self, path: Path, t: torch.Tensor) -> None:
-        self.path = path
-        self.dtype = t.dtype
-        self.shape = tuple(t.shape)
-        self.device = t.device
-        self.stride = None if t.is_contiguous() or not _dense(t) else tuple(t.stride())
-        t.detach().cpu().contiguous().view(torch.uint8).numpy().tofile(path)
-        self.cleanup = weakref.finalize(self, Path.unlink, path, True)
-
-    def load(self) -> torch.Tensor:
-        if not self.path.exists():
-            raise RuntimeError(f"spilled activation {self.path} is gone; keep the plan handle "
-                               "until backward has run (call remove() after the step)")
-        data = torch.from_numpy(np.fromfile(self.path, dtype=np.uint8))
-        self.cleanup()
-        flat = data.view(self.dtype).reshape(self.shape)
-        if self.stride is None:
-            return flat.to(self.device)
-        out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
-        return out.copy_(flat)  # same strides as the saved tensor (a transpose stays one)
 
 
-@dataclass(frozen=True)
-class _HostCopy:
-    """A saved CUDA tensor copied to pinned host memory on a side stream."""
-
-    host: torch.Tensor
-    event: Any
-    device: torch.device
 
 
-def _pack_cpu(t: torch.Tensor, stream: Any) -> Any:
-    if t.device.type != "cuda":
-        return t.clone()  # nothing to move to; the planner never plans this
-    host = torch.empty_like(t, device="cpu", pin_memory=True)
-    stream.wait_stream(torch.cuda.current_stream(t.device))
-    with torch.cuda.stream(stream):
-        host.copy_(t, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-    t.record_stream(stream)
-    return _HostCopy(host, event, t.device)
 
 
-def _unpack_cpu(packed: Any) -> torch.Tensor:
-    if not isinstance(packed, _HostCopy):
-        return packed
-    torch.cuda.current_stream(packed.device).wait_event(packed.event)
-    return packed.host.to(packed.device, non_blocking=True)
 
 
 # ---------------------------------------------------------------- sequence length
@@ -311,22 +263,22 @@ class PlanHandle:
 
     def _offload(self, original: Callable[..., Any], mp: ModulePlan, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
-        stay = _storage_ptrs(itertools.chain(self.model.parameters(), self.model.buffers()))
-        stay |= _storage_ptrs(tree_leaves((list(args), list(kwargs.values()))))
+        stay = storage_ptrs(itertools.chain(self.model.parameters(), self.model.buffers()))
+        stay |= storage_ptrs(tree_leaves((list(args), list(kwargs.values()))))
 
         def pack(t: torch.Tensor) -> Any:
             if t.untyped_storage().data_ptr() in stay:
                 return t
             if mp.target == "disk":
-                return _Spilled(self._spill_path(), t)
-            return _pack_cpu(t, self._side_stream(t))
+                return Spilled(self._spill_path(), t)
+            return pack_to_host(t, self._side_stream(t))
 
         def unpack(packed: Any) -> torch.Tensor:
-            if isinstance(packed, _Spilled):
+            if isinstance(packed, Spilled):
                 return packed.load()
             if isinstance(packed, torch.Tensor):
                 return packed
-            return _unpack_cpu(packed)
+            return unpack_from_host(packed)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             return original(*args, **kwargs)

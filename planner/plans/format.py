@@ -3,12 +3,11 @@
 A plan says, for one model and training config, which activations to keep,
 recompute (activation checkpointing) or offload. A ladder holds one plan per
 sequence-length bucket for the same model. Files are JSON, validated against
-``planner/schema/plan.schema.json`` (Draft 2020-12).
+``planner/plans/schema/plan.schema.json`` (Draft 2020-12).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -20,6 +19,12 @@ from typing import Any, Literal, Mapping, Union
 
 import jsonschema
 import jsonschema.exceptions
+
+from planner.tracing.fingerprint import (
+    is_segment_of,
+    model_fingerprint,
+    num_parameters,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -60,7 +65,7 @@ def _memplan_version() -> str:
 @lru_cache(maxsize=1)
 def plan_schema() -> dict[str, Any]:
     """Return the plan JSON schema shipped as package data."""
-    text = resources.files("planner").joinpath("schema/plan.schema.json").read_text("utf-8")
+    text = resources.files("planner.plans").joinpath("schema/plan.schema.json").read_text("utf-8")
     return json.loads(text)
 
 
@@ -421,34 +426,12 @@ def load_plan(path_or_dict: PathLike | Mapping[str, Any]) -> Plan | PlanLadder:
 # ---------------------------------------------------------------- model identity
 
 
-def _structure(model: Any) -> dict[str, Any]:
-    modules = sorted([name, type(m).__qualname__] for name, m in model.named_modules())
-    tensors = []
-    for kind, named in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
-        for name, t in named:  # metadata only: works for fake and meta tensors
-            tensors.append([kind, name, [str(s) for s in t.shape], str(t.dtype)])
-    return {"modules": modules, "tensors": sorted(tensors)}
 
 
-def _is_segment_of(model: Any, path: str) -> bool:
-    """Whether `path` (PARENT.I:J) names consecutive children of one of the model's nn.Sequential."""
-    from planner.regions import segment_children
-
-    try:
-        segment_children(model, path)
-    except ValueError:
-        return False
-    return True
 
 
-def model_fingerprint(model: Any) -> str:
-    """sha256 over module paths/classes and parameter/buffer names, shapes and dtypes."""
-    blob = json.dumps(_structure(model), sort_keys=True, separators=(",", ":"))
-    return "sha256:" + hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
-def _num_parameters(model: Any) -> int:
-    return sum(int(p.numel()) for p in model.parameters())
 
 
 def model_info(model: Any, spec: str) -> ModelInfo:
@@ -456,7 +439,7 @@ def model_info(model: Any, spec: str) -> ModelInfo:
     return ModelInfo(
         spec=spec,
         fingerprint=model_fingerprint(model),
-        num_parameters=_num_parameters(model),
+        num_parameters=num_parameters(model),
         num_modules=sum(1 for _ in model.named_modules()),
     )
 
@@ -473,7 +456,7 @@ def check_plan_matches(plan: Plan, model: Any) -> None:
     info = model_info(model, plan.model.spec)
     names = {name for name, _ in model.named_modules()}
     missing = list(dict.fromkeys(d.module for d in plan.decisions
-                                 if d.module not in names and not _is_segment_of(model, d.module)))
+                                 if d.module not in names and not is_segment_of(model, d.module)))
     if info.fingerprint == plan.model.fingerprint and not missing:
         return
     parts = []

@@ -27,16 +27,18 @@ from torch.utils._pytree import tree_leaves
 
 from costmodels.flops import op_bytes_accessed, op_flops
 from costmodels.memory import get_precision
-from planner.graph import OpGraph, OpNode, Region, TensorInfo
-from planner.plan import model_fingerprint
-from planner.regions import find_region_paths, is_segment, module_signature, segment_children
-from planner.spec import ModelSpec, SpecError, resolve_spec
+from planner.errors import SpecError, TraceError
+from planner.tracing.blocks import (
+    find_region_paths,
+    is_segment,
+    module_signature,
+    segment_children,
+)
+from planner.tracing.fingerprint import model_fingerprint
+from planner.tracing.graph import OpGraph, OpNode, Region, TensorInfo
+from planner.tracing.specs import ModelSpec, resolve_spec
 
 __all__ = ["TraceError", "trace", "trace_model", "loss_of", "run_step_inputs"]
-
-
-class TraceError(ValueError):
-    """The model could not be traced on fake tensors."""
 
 
 def loss_of(output: Any) -> torch.Tensor:

@@ -7,59 +7,19 @@ before the step (parameters, buffers, optimizer states, inputs) is counted up fr
 
 from __future__ import annotations
 
-import weakref
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from costmodels.memory import get_precision
 from planner.config import TrainConfig
+from planner.runtime.tracker import LiveBytesTracker
 
-__all__ = ["LiveBytesTracker", "Measurement", "make_optimizer", "measure_step"]
+__all__ = ["Measurement", "make_optimizer", "measure_step"]
 
 
-class LiveBytesTracker(TorchDispatchMode):
-    """Counts live storage bytes; `peak_bytes` is the maximum seen right after any op's outputs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._seen: dict[int, int] = {}
-        self.live_bytes = 0
-        self.peak_bytes = 0
-
-    def _release(self, key: int) -> None:
-        self.live_bytes -= self._seen.pop(key, 0)
-
-    def track(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
-        key = id(st)
-        if key in self._seen:
-            return
-        nbytes = st.nbytes()
-        self._seen[key] = nbytes
-        self.live_bytes += nbytes
-        weakref.finalize(st, self._release, key)
-
-    def track_all(self, objects) -> None:
-        for t in tree_leaves(objects):
-            if isinstance(t, torch.Tensor):
-                self.track(t)
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.track(t)
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        return out
-
-    def sample(self) -> None:
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
 
 @dataclass(frozen=True)
@@ -89,7 +49,7 @@ def make_optimizer(params, name: str) -> torch.optim.Optimizer | None:
 
 
 def _step(model: nn.Module, inputs, optimizer, precision: str):
-    from planner.trace import loss_of, run_step_inputs
+    from planner.tracing.recorder import loss_of, run_step_inputs
 
     autocast_dtype = get_precision(precision).autocast_dtype
     ctx = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()

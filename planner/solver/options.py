@@ -5,7 +5,7 @@ selective recompute (keep the outputs of the ops that are most expensive per byt
 the rest); recompute one child module; offload what the block saves. Each option's effect is the
 change it makes to the simulated curve (`delta`, per op sample) and the peak of its own replay
 (recompute or reload) just before the block's backward; the solver adds these up exactly as
-:func:`planner.simulate.simulate` would.
+:func:`planner.simulation.step.simulate` would.
 """
 
 from __future__ import annotations
@@ -16,9 +16,18 @@ import numpy as np
 
 from costmodels.hardware import DeviceSpec
 from costmodels.runtime import transfer_time_s
-from planner.graph import OpGraph
-from planner.schedule import (ModuleSpan, SpanChoice, cached_outputs, dropped_from, dropped_tensors, module_span,
-                               recompute_cost, reload_op, replay_events)
+from planner.simulation.effects import (
+    ModuleSpan,
+    SpanChoice,
+    cached_outputs,
+    dropped_from,
+    dropped_tensors,
+    module_span,
+    recompute_cost,
+    reload_op,
+    replay_events,
+)
+from planner.tracing.graph import OpGraph
 
 __all__ = ["BlockOption", "OptionEffect", "attention_core_choice", "block_options", "option_effect"]
 

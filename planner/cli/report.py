@@ -5,45 +5,10 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-from planner.graph import CATEGORIES
+from planner.tracing.graph import CATEGORIES
+from planner.units import format_bytes, format_count
 
-__all__ = ["format_bytes", "format_count", "parse_bytes", "table", "timeline_table", "plot_timeline", "plot_sweep"]
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def format_bytes(n: float) -> str:
-    """1536 -> '1.50 KiB'."""
-    sign = "-" if n < 0 else ""
-    n = abs(float(n))
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def format_count(n: int) -> str:
-    """124439808 -> '124.44M'."""
-    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.2f}{suffix}"
-    return str(n)
-
-
-def parse_bytes(text: str) -> int:
-    """'40GiB', '123456789B', '1.5 TB' -> bytes; ValueError that lists the accepted units."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise ValueError(f"cannot read size '{text}'; write a number with a unit, e.g. 40GiB, 80GB, "
-                         "512MiB or 123456789B (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
-    value = int(float(m.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise ValueError(f"size must be positive, got '{text}'")
-    return value
-
+__all__ = ["table", "timeline_table", "plot_timeline", "plot_sweep"]
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A plain aligned text table (numbers right-aligned)."""

@@ -18,21 +18,29 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from planner.models import (
-    MLP, ConvNet, ConvNetConfig, Encoder, EncoderConfig, GPT, GPTConfig, KwargsLlama, Llama, LlamaConfig,
+from planner.errors import SpecError
+from planner.tracing.hf import hf_builder
+from planner.tracing.models import (
+    GPT,
+    MLP,
+    ConvNet,
+    ConvNetConfig,
+    Encoder,
+    EncoderConfig,
+    GPTConfig,
+    KwargsLlama,
+    Llama,
+    LlamaConfig,
     MLPConfig,
+    random_tokens,
 )
 
-__all__ = ["SpecError", "ModelSpec", "PRESETS", "list_presets", "resolve_spec"]
+__all__ = ["ModelSpec", "PRESETS", "list_presets", "resolve_spec"]
 
 Inputs = tuple[Any, ...] | dict[str, Any]
 SPEC_FORMS = "PATH.py:FUNC, package.module:FUNC, hf:PATH/config.json"
-
-
-class SpecError(ValueError):
-    """A spec that cannot be resolved or built; the message is one line that says what to do."""
 
 
 def _one_line(e: BaseException) -> str:
@@ -79,37 +87,29 @@ class ModelSpec:
 
 # ----------------------------------------------------------------------------- preset builders
 
-def _tokens(batch_size: int, seq_len: int, vocab_size: int) -> tuple[Tensor, Tensor]:
-    """Random (B, S) input ids and aligned labels."""
-    return (
-        torch.randint(0, vocab_size, (batch_size, seq_len)),
-        torch.randint(0, vocab_size, (batch_size, seq_len)),
-    )
-
-
 def _check_positions(seq_len: int, max_positions: int) -> None:
     if seq_len > max_positions:
         raise SpecError(f"sequence length {seq_len} exceeds the model's {max_positions} positions; use --seq-len {max_positions} or less")
 
 
 def _build_llama(config: LlamaConfig, batch_size: int, seq_len: int) -> tuple[nn.Module, Inputs]:
-    return Llama(config), _tokens(batch_size, seq_len, config.vocab_size)
+    return Llama(config), random_tokens(batch_size, seq_len, config.vocab_size)
 
 
 def _build_kwargs_llama(config: LlamaConfig, batch_size: int, seq_len: int) -> tuple[nn.Module, Inputs]:
-    input_ids, labels = _tokens(batch_size, seq_len, config.vocab_size)
+    input_ids, labels = random_tokens(batch_size, seq_len, config.vocab_size)
     attention_mask = torch.ones(batch_size, seq_len, dtype=torch.long)
     return KwargsLlama(config), {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
 def _build_gpt(config: GPTConfig, batch_size: int, seq_len: int) -> tuple[nn.Module, Inputs]:
     _check_positions(seq_len, config.block_size)
-    return GPT(config), _tokens(batch_size, seq_len, config.vocab_size)
+    return GPT(config), random_tokens(batch_size, seq_len, config.vocab_size)
 
 
 def _build_encoder(config: EncoderConfig, batch_size: int, seq_len: int) -> tuple[nn.Module, Inputs]:
     _check_positions(seq_len, config.max_positions)
-    return Encoder(config), _tokens(batch_size, seq_len, config.vocab_size)
+    return Encoder(config), random_tokens(batch_size, seq_len, config.vocab_size)
 
 
 def _build_convnet(config: ConvNetConfig, batch_size: int, seq_len: int) -> tuple[nn.Module, Inputs]:
@@ -211,30 +211,13 @@ def _module_spec(spec: str, module_name: str, func_name: str) -> ModelSpec:
     return _function_spec(spec, f"module {module_name}", module, func_name)
 
 
-def _build_hf(config_path: str, batch_size: int, seq_len: int) -> tuple[nn.Module, Inputs]:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(config_path)
-    input_ids, labels = _tokens(batch_size, seq_len, config.vocab_size)
-    return AutoModelForCausalLM.from_config(config), {"input_ids": input_ids, "labels": labels}
-
-
-def _hf_spec(spec: str, config_path: str) -> ModelSpec:
-    try:
-        import transformers  # noqa: F401
-    except ImportError as e:
-        raise SpecError("hf: specs need the transformers package: pip install transformers") from e
-    if not Path(config_path).exists():
-        raise SpecError(f"Hugging Face config {config_path} not found; point hf: at a config.json or its folder")
-    return ModelSpec(spec, f"Hugging Face causal LM from {config_path}", partial(_build_hf, config_path))
-
-
 def resolve_spec(spec: str) -> ModelSpec:
     """A preset name, PATH.py:FUNC, package.module:FUNC or hf:PATH/config.json -> ModelSpec."""
     if spec in PRESETS:
         return PRESETS[spec]
     if spec.startswith("hf:"):
-        return _hf_spec(spec, spec.removeprefix("hf:"))
+        config_path = spec.removeprefix("hf:")
+        return ModelSpec(spec, f"Hugging Face causal LM from {config_path}", hf_builder(config_path))
     target, sep, func_name = spec.rpartition(":")
     if not sep:
         raise SpecError(f"unknown model '{spec}'; presets: {', '.join(PRESETS)}; or use {SPEC_FORMS}")

@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
-from planner.graph import OpGraph
+from planner.tracing.graph import OpGraph
 
 __all__ = ["SpanChoice", "ModuleSpan", "module_span", "op_keys", "dropped_tensors", "choices_from_decisions",
            "recompute_ops", "recompute_stop", "cached_outputs", "natural_free_in_span", "replay_events", "dropped_from", "recompute_cost",

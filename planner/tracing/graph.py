@@ -1,6 +1,6 @@
 """The traced training step: ops in execution order and the storages they allocate and free.
 
-An :class:`OpGraph` is what :func:`planner.trace.trace` records and what the simulator and the
+An :class:`OpGraph` is what :func:`planner.tracing.recorder.trace` records and what the simulator and the
 solver read. Tensors are tracked per *storage* (views share their base's memory), so `nbytes` is
 real memory, not a sum over views.
 """
@@ -12,7 +12,7 @@ from typing import Iterator
 
 import networkx as nx
 
-from planner.regions import parse_segment
+from planner.tracing.blocks import parse_segment
 
 CATEGORIES = ("parameter", "buffer", "gradient", "optimizer", "activation", "temporary")
 PHASES = ("forward", "loss", "backward", "optimizer")

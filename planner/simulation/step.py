@@ -11,42 +11,37 @@ parameters (stage 3) and unsharded gradients (stage 2+) of the block that is run
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
-import torch
 
 from costmodels.hardware import DeviceSpec, get_device
-from costmodels.memory import ModelStates, get_precision, model_state_bytes
-from costmodels.runtime import op_time_s, transfer_time_s
+from costmodels.memory import ModelStates
+from costmodels.runtime import transfer_time_s
 from planner.config import TrainConfig
-from planner.graph import CATEGORIES, OpGraph
-from planner.schedule import (SpanChoice, cached_outputs, choices_from_decisions, dropped_from, dropped_tensors,
-                               recompute_cost, reload_op, replay_events)
+from planner.simulation.costs import (
+    StepCosts,
+    category_scale,
+    model_states_for,
+    op_times,
+)
+from planner.simulation.effects import (
+    SpanChoice,
+    cached_outputs,
+    choices_from_decisions,
+    dropped_from,
+    dropped_tensors,
+    recompute_cost,
+    reload_op,
+    replay_events,
+)
+from planner.tracing.graph import CATEGORIES, OpGraph
 
-__all__ = ["Timeline", "StepCosts", "simulate", "op_times", "category_scale", "model_states_for"]
-
-_DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+__all__ = ["Timeline", "simulate"]
 
 
-@dataclass(frozen=True)
-class StepCosts:
-    """Time of the step and what a plan adds to it."""
 
-    step_s: float
-    recompute_flops: int
-    recompute_s: float
-    offload_bytes: int
-    exposed_offload_s: float
-
-    @property
-    def overhead(self) -> float:
-        base = self.step_s - self.recompute_s - self.exposed_offload_s
-        return (self.recompute_s + self.exposed_offload_s) / base if base > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "overhead": self.overhead}
 
 
 @dataclass(frozen=True)
@@ -95,14 +90,6 @@ class Timeline:
         }
 
 
-def op_times(graph: OpGraph, device: DeviceSpec) -> np.ndarray:
-    """Roofline seconds of each op on the target device (views and no-ops cost nothing)."""
-    out = np.zeros(len(graph.ops))
-    for op in graph.ops:
-        if op.flops == 0 and not op.allocs:
-            continue
-        out[op.index] = op_time_s(op.flops, op.bytes_accessed, _DTYPES.get(op.dtype, torch.float32), device)
-    return out
 
 
 class _Memory:
@@ -122,19 +109,6 @@ class _Memory:
         self.samples.append((op_index, phase, op, module, tuple(values[c] for c in CATEGORIES)))
 
 
-def category_scale(graph: OpGraph, config: TrainConfig) -> dict[str, float]:
-    """Per-device bytes of each traced parameter/gradient byte: ZeRO sharding, and the fp32 master
-    weights and gradients behind a trace whose parameters are in the compute dtype (FSDP)."""
-    states = model_states_for(graph, config)
-    traced = {"parameter": 0, "gradient": 0}
-    for t in graph.preexisting():
-        if t.category == "parameter":
-            traced["parameter"] += t.nbytes
-    for t in graph.tensors.values():
-        if t.category == "gradient":
-            traced["gradient"] += t.nbytes
-    want = {"parameter": states.parameter, "gradient": states.gradient}
-    return {c: want[c] / traced[c] if traced[c] else 1.0 for c in traced}
 
 
 def _block_transients(graph: OpGraph, config: TrainConfig, scale: dict[str, float]) -> dict[int, dict[str, int]]:
@@ -175,11 +149,6 @@ def _block_transients(graph: OpGraph, config: TrainConfig, scale: dict[str, floa
     return dict(out)
 
 
-def model_states_for(graph: OpGraph, config: TrainConfig) -> ModelStates:
-    precision = get_precision(config.precision)
-    foreach = get_device(config.gpu).is_cuda
-    return model_state_bytes(graph.param_shapes, precision, config.optimizer, config.zero_stage,
-                             config.dp, foreach=foreach)
 
 
 def _offload_exposure(graph: OpGraph, times: np.ndarray, device: DeviceSpec,

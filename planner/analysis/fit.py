@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 from costmodels.hardware import get_device
 from planner.config import TrainConfig
-from planner.graph import OpGraph
-from planner.simulate import simulate
+from planner.simulation.step import simulate
+from planner.tracing.graph import OpGraph
 
 __all__ = ["FitResult", "fit", "largest_fitting", "RESERVE"]
 
@@ -60,7 +60,7 @@ class _Checker:
 
     def plan_fits(self, config: TrainConfig) -> bool:
         """A plan exists: the step fits as is, full recompute fits, or the solver finds one."""
-        from planner.solve import strategy_choices
+        from planner.solver.baselines import strategy_choices
 
         if self.fits(config):
             return True
@@ -73,8 +73,8 @@ class _Checker:
 
     def plan(self, config: TrainConfig):
         """The optimal plan under the budget (None when infeasible)."""
-        from planner.planning import solve
-        from planner.solve import InfeasibleBudget
+        from planner.errors import InfeasibleBudget
+        from planner.solver.planning import solve
 
         if config not in self._plan:
             try:

@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from planner.config import TrainConfig
-from planner.graph import OpGraph
-from planner.plan import Decision, ModelInfo, Plan, Predicted, SolverInfo
-from planner.schedule import SpanChoice, op_keys
-from planner.simulate import Timeline, simulate
-from planner.solve import InfeasibleBudget, check_strategy, solve_choices, strategy_choices
+from planner.errors import InfeasibleBudget
+from planner.plans.format import Decision, ModelInfo, Plan, Predicted, SolverInfo
+from planner.simulation.effects import SpanChoice, op_keys
+from planner.simulation.step import Timeline, simulate
+from planner.solver.baselines import check_strategy, strategy_choices
+from planner.solver.cpsat import solve_choices
+from planner.tracing.graph import OpGraph
 
 __all__ = ["solve", "decisions_for", "StrategyRow", "compare_strategies", "BASELINES"]
 
@@ -69,7 +71,7 @@ def solve(graph: OpGraph, config: TrainConfig, budget_bytes: int, *, strategy: s
     choices = strategy_choices(graph, strategy)
     timeline = simulate(graph, config, choices=choices)
     if timeline.peak_bytes > budget_bytes:
-        from planner.report import format_bytes
+        from planner.units import format_bytes
 
         raise InfeasibleBudget(
             f"strategy '{strategy}' peaks at {format_bytes(timeline.peak_bytes)}, over the budget "

@@ -1,20 +1,19 @@
 """Choose what to keep, recompute or offload under a peak-memory budget (OR-Tools CP-SAT).
 
-Formulation. Each checkpointable block picks exactly one option (:mod:`planner.options`). An
+Formulation. Each checkpointable block picks exactly one option (:mod:`planner.solver.options`). An
 option changes the simulated curve by an exact, piecewise-constant `delta` over the block's
 forward-to-backward window, plus a replay peak just before its backward. The curve is cut into
 segments at every point where some option's delta changes; in each segment a block is inactive,
 *held* (its delta is the same constant everywhere in the segment: one integer variable per block,
 summed once per distinct set of held blocks) or *detailed* (a coefficient per option). One linear
 constraint per segment (its highest baseline sample plus the deltas <= budget) and one per replay
-make the model exact with respect to :func:`planner.simulate.simulate`. The objective is the
+make the model exact with respect to :func:`planner.simulation.step.simulate`. The objective is the
 added time: recompute seconds plus offload transfer not hidden behind the block's own compute.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -25,24 +24,22 @@ from ortools.sat.python import cp_model
 
 from costmodels.hardware import get_device
 from planner.config import TrainConfig
-from planner.graph import OpGraph
-from planner.options import BlockOption, OptionEffect, attention_core_choice, block_options, option_effect
-from planner.schedule import ModuleSpan, SpanChoice, module_span
-from planner.simulate import Timeline, category_scale, op_times, simulate
+from planner.errors import InfeasibleBudget
+from planner.simulation.costs import category_scale, op_times
+from planner.simulation.effects import SpanChoice
+from planner.simulation.step import Timeline, simulate
+from planner.solver.baselines import block_spans
+from planner.solver.options import (
+    BlockOption,
+    OptionEffect,
+    block_options,
+    option_effect,
+)
+from planner.tracing.graph import OpGraph
 
-__all__ = ["STRATEGIES", "InfeasibleBudget", "SolveResult", "solve_choices", "strategy_choices", "exhaustive_solve"]
+__all__ = ["RELATIVE_GAP_LIMIT", "SolveResult", "solve_choices"]
 
 RELATIVE_GAP_LIMIT = 0.005  # stop once the plan is proven within 0.5% of the bound
-STRATEGIES = ("optimal", "none", "full", "every-N", "sqrt", "selective")
-
-
-class InfeasibleBudget(ValueError):
-    """No plan in the search space fits the budget; `smallest_peak_bytes` is the lowest peak
-    memplan can reach (None when not computed)."""
-
-    def __init__(self, message: str, smallest_peak_bytes: int | None = None) -> None:
-        super().__init__(message)
-        self.smallest_peak_bytes = smallest_peak_bytes
 
 
 @dataclass(frozen=True)
@@ -61,9 +58,6 @@ class SolveResult:
     num_variables: int
 
 
-# -- helpers ------------------------------------------------------------------------------------
-def _spans(graph: OpGraph) -> list[ModuleSpan]:
-    return [module_span(graph, r.path) for r in graph.regions]
 
 
 def _match(paths: Sequence[str], patterns: Sequence[str], flag: str) -> set[str]:
@@ -77,54 +71,10 @@ def _match(paths: Sequence[str], patterns: Sequence[str], flag: str) -> set[str]
     return out
 
 
-def parse_every(strategy: str) -> int | None:
-    if strategy.startswith("every-"):
-        try:
-            n = int(strategy.split("-", 1)[1])
-        except ValueError:
-            n = 0
-        if n <= 0:
-            raise ValueError(f"strategy '{strategy}' needs a positive N, e.g. every-2")
-        return n
-    return None
 
 
-def check_strategy(strategy: str) -> None:
-    if strategy in STRATEGIES and strategy != "every-N":
-        return
-    if parse_every(strategy) is None:
-        raise ValueError(f"unknown strategy '{strategy}'; choose one of: optimal, none, full, every-N "
-                         "(e.g. every-2), sqrt, selective")
 
 
-def strategy_choices(graph: OpGraph, strategy: str) -> list[SpanChoice]:
-    """Baseline strategies, all at block granularity.
-
-    full: every block recomputed. every-N: every N-th block. sqrt: all but about sqrt(L) evenly
-    spaced blocks recomputed, so that about sqrt(L) blocks keep their activations (Chen et al.'s
-    O(sqrt L) memory target at block granularity). selective: recompute only the attention core
-    of every block (Megatron-LM's selective activation recomputation).
-    """
-    check_strategy(strategy)
-    spans = _spans(graph)
-    if strategy == "none":
-        return []
-    if strategy == "full":
-        return [SpanChoice(s, "recompute") for s in spans]
-    every = parse_every(strategy)
-    if every is not None:
-        return [SpanChoice(s, "recompute") for k, s in enumerate(spans) if k % every == 0]
-    if strategy == "sqrt":
-        kept = set(np.linspace(0, len(spans) - 1, max(1, round(math.sqrt(len(spans))))).round().astype(int).tolist())
-        return [SpanChoice(s, "recompute") for k, s in enumerate(spans) if k not in kept]
-    if strategy == "selective":
-        out = []
-        for s in spans:
-            choice = attention_core_choice(graph, s)
-            if choice is not None:
-                out.append(choice)
-        return out
-    raise ValueError(f"strategy '{strategy}' is solved by solve_choices, not a fixed rule")
 
 
 # -- the CP-SAT model ---------------------------------------------------------------------------
@@ -146,7 +96,7 @@ def _problem(graph: OpGraph, config: TrainConfig, offload: str | None, keep: set
                            for t in op.allocs) for op in graph.ops], dtype=np.int64)
     device = get_device(config.gpu)
     options, effects = [], []
-    for span in _spans(graph):
+    for span in block_spans(graph):
         if span.path in keep:
             opts = [BlockOption("keep", None)]
         else:
@@ -326,7 +276,7 @@ def _min_peak_choices(p: _Problem) -> list[SpanChoice]:
 
 
 def _infeasible(graph: OpGraph, config: TrainConfig, budget: int, p: _Problem) -> InfeasibleBudget:
-    from planner.report import format_bytes
+    from planner.units import format_bytes
 
     best = simulate(graph, config, choices=_min_peak_choices(p))
     top = max(best.breakdown_at_peak.items(), key=lambda kv: kv[1])
@@ -384,18 +334,3 @@ def solve_choices(graph: OpGraph, config: TrainConfig, budget_bytes: int, *, off
                                objective, bound, max(0.0, gap), time.perf_counter() - t0, nvars)
         budget -= timeline.peak_bytes - budget_bytes  # interactions the linear model missed
     raise ValueError("the solver's plans kept exceeding the budget in simulation; report this model to memplan")
-
-
-def exhaustive_solve(graph: OpGraph, config: TrainConfig, budget_bytes: int, offload: str | None = None) -> tuple[float, list[str]] | None:
-    """Brute force over every combination of block options (tests only: exponential)."""
-    times = op_times(graph, get_device(config.gpu))
-    p = _problem(graph, config, offload, set(), set(), times)
-    best: tuple[float, list[str]] | None = None
-    for combo in itertools.product(*[range(len(o)) for o in p.options]):
-        cost = sum(0.0 if p.effects[r][k] is None else p.effects[r][k].cost_s for r, k in enumerate(combo))
-        if best is not None and cost >= best[0]:
-            continue
-        choices = [p.options[r][k].choice for r, k in enumerate(combo) if p.options[r][k].choice is not None]
-        if simulate(graph, config, choices=choices).peak_bytes <= budget_bytes:
-            best = (cost, [p.options[r][k].name for r, k in enumerate(combo)])
-    return best

@@ -1,0 +1,1 @@
+"""Analysis: diagnose, fit, CUDA snapshots (with a safe unpickler) and OOM messages."""

@@ -1,0 +1,1 @@
+"""The memplan command line: one module per subcommand; rendering lives in report."""

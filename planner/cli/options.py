@@ -1,0 +1,53 @@
+"""Options every subcommand shares: the model and training configuration, and JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from costmodels.hardware import DEVICES
+from costmodels.memory import OPTIMIZERS, PRECISIONS
+from planner.config import TrainConfig
+
+__all__ = ["positive_int", "seq_lens", "add_model_options", "config_from_args", "write_json"]
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def seq_lens(text: str) -> list[int]:
+    return [positive_int(part) for part in text.split(",") if part.strip()]
+
+
+def add_model_options(p: argparse.ArgumentParser, sweep: bool = True, default_gpu: str = "cpu") -> None:
+    p.add_argument("--model", required=True, help="preset name, PATH.py:FUNC, package.module:FUNC or hf:PATH/config.json")
+    p.add_argument("--batch-size", type=positive_int, default=1)
+    p.add_argument("--seq-len", type=seq_lens if sweep else positive_int, default=[512] if sweep else 512,
+                   help="sequence length" + (" (a comma list: a sweep for simulate/verify, one plan per "
+                                             "bucket for plan)" if sweep else ""))
+    p.add_argument("--gpu", default=default_gpu, help="target device: " + ", ".join(DEVICES))
+    p.add_argument("--precision", default="fp32", help="one of: " + ", ".join(PRECISIONS))
+    p.add_argument("--optimizer", default="adamw", help="one of: " + ", ".join(OPTIMIZERS))
+    p.add_argument("--zero", type=int, default=0, dest="zero_stage", help="ZeRO stage 0-3 (3 = FSDP full shard)")
+    p.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree")
+    p.add_argument("--json", dest="json_path", help="write the result as JSON to this path")
+
+
+def config_from_args(args, seq_len: int | None = None) -> TrainConfig:
+    seq = seq_len if seq_len is not None else (args.seq_len[0] if isinstance(args.seq_len, list) else args.seq_len)
+    return TrainConfig(batch_size=args.batch_size, seq_len=seq, precision=args.precision,
+                       optimizer=args.optimizer, zero_stage=args.zero_stage, dp=args.dp, gpu=args.gpu)
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if path:
+        Path(path).write_text(json.dumps(payload, indent=2, sort_keys=True))
+        print(f"wrote {path}")

@@ -1,0 +1,67 @@
+"""`memplan plan`: solve which activations to keep, recompute or offload under a budget."""
+
+from __future__ import annotations
+
+from costmodels.hardware import get_device
+from planner.api import plan_model
+from planner.cli import report
+from planner.cli.options import add_model_options, config_from_args, write_json
+from planner.plans.format import PlanLadder
+from planner.units import format_bytes, parse_bytes
+
+__all__ = ["register", "run", "budget_for"]
+
+EXAMPLE = ("memplan plan --model llama-70b --gpu h100-80gb --seq-len 4096 --precision bf16-mixed "
+           "--zero 3 --dp 32 --out plan.json\n"
+           "  memplan plan --model llama-7b-tiny --seq-len 64 --budget 6MiB --offload disk --out plan.json")
+
+
+def register(add) -> None:
+    p = add("plan", "solve which activations to keep, recompute or offload under a memory budget",
+            run, EXAMPLE)
+    add_model_options(p, default_gpu="cpu")
+    p.add_argument("--budget", help="peak-memory budget, e.g. 40GiB or 123456789B (default: GPU capacity less --reserve)")
+    p.add_argument("--reserve", type=float, default=0.05, help="fraction of the GPU kept free when --budget is not given")
+    p.add_argument("--offload", default="none", help="allow offloading to: none, cpu, disk")
+    p.add_argument("--strategy", default="optimal", help="optimal, none, full, every-N (e.g. every-2), sqrt, selective")
+    p.add_argument("--keep", action="append", default=[], metavar="GLOB", help="never recompute modules matching GLOB")
+    p.add_argument("--recompute", action="append", default=[], metavar="GLOB", help="always recompute modules matching GLOB")
+    p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds")
+    p.add_argument("--out", required=True, help="plan file to write (JSON)")
+
+
+def budget_for(args) -> int:
+    """--budget, else the GPU's capacity less the --reserve fraction."""
+    if args.budget:
+        return parse_bytes(args.budget)
+    if not 0 <= args.reserve < 1:
+        raise ValueError(f"--reserve must be a fraction in [0, 1), got {args.reserve}")
+    return int(get_device(args.gpu).memory_bytes * (1 - args.reserve))
+
+
+def _plan_one(args, config, budget: int):
+    plan, rows, baseline = plan_model(args.model, config, budget, strategy=args.strategy, offload=args.offload,
+                                      keep=args.keep, recompute=args.recompute, time_limit_s=args.time_limit)
+    lines = [[r.strategy, format_bytes(r.peak_bytes), f"{r.overhead * 100:.1f}%",
+              "yes" if r.fits else "no"] for r in rows]
+    lines.append([f"{plan.strategy} (chosen)", format_bytes(plan.predicted.peak_bytes),
+                  f"{plan.predicted.overhead * 100:.1f}%", "yes"])
+    print(f"{args.model} seq {config.seq_len} batch {config.batch_size} {config.precision} on {config.gpu}: "
+          f"budget {format_bytes(budget)}, no-plan peak {format_bytes(baseline)}")
+    print(report.table(["strategy", "peak", "overhead", "fits"], lines))
+    s = plan.solver
+    print(f"solver: {s.status}, added time {s.objective:.4g}s, bound {s.bound:.4g}s, gap {s.gap * 100:.2f}%, "
+          f"{s.wall_s:.1f}s; {len(plan.decisions)} decisions")
+    return plan
+
+
+def run(args) -> None:
+    budget = budget_for(args)
+    plans = [(s, _plan_one(args, config_from_args(args, s), budget)) for s in args.seq_len]
+    if len(plans) == 1:
+        plan = plans[0][1]
+    else:
+        plan = PlanLadder(buckets=tuple(plans))
+    plan.save(args.out)
+    print(f"wrote {args.out}")
+    write_json(args.json_path, plan.to_dict())

@@ -1,0 +1,30 @@
+"""`memplan verify`: run a real step on this machine's CPU, measured against predicted peak."""
+
+from __future__ import annotations
+
+from planner.api import verify_model
+from planner.cli import report
+from planner.cli.options import add_model_options, config_from_args, write_json
+from planner.units import format_bytes
+
+__all__ = ["register", "run"]
+
+EXAMPLE = ("memplan verify --model llama-7b-tiny --batch-size 2 --seq-len 64\n"
+           "  memplan verify --model gpt2-tiny --seq-len 64 --plan plan.json")
+
+
+def register(add) -> None:
+    p = add("verify", "run a real step on CPU and compare measured with predicted peak", run, EXAMPLE)
+    add_model_options(p)
+    p.add_argument("--plan", help="apply this plan to the real model first")
+
+
+def run(args) -> None:
+    if args.gpu != "cpu":
+        raise ValueError(f"verify runs the real model on this machine's CPU; drop --gpu {args.gpu}")
+    results = [verify_model(args.model, config_from_args(args, s), args.plan) for s in args.seq_len]
+    rows = [[r.config["seq_len"], format_bytes(r.predicted_bytes), format_bytes(r.measured_bytes),
+             f"{r.error * 100:+.2f}%"] for r in results]
+    print(f"{args.model}: predicted vs measured peak of live tensor bytes (CPU, {args.precision}, {args.optimizer})")
+    print(report.table(["seq_len", "predicted", "measured", "error"], rows))
+    write_json(args.json_path, {"results": [r.to_dict() for r in results]})

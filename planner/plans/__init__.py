@@ -1,0 +1,1 @@
+"""Plans: the versioned plan file format, its JSON schema and how decisions are read."""

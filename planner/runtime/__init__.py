@@ -1,0 +1,1 @@
+"""Runtime: applying plans to real models, offload, the live-bytes tracker, verification."""

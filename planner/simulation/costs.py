@@ -1,0 +1,69 @@
+"""What a step costs on the target device: op times, model-state bytes per device and the per-category scale of traced bytes."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from costmodels.hardware import DeviceSpec, get_device
+from costmodels.memory import ModelStates, get_precision, model_state_bytes
+from costmodels.runtime import op_time_s
+from planner.config import TrainConfig
+from planner.tracing.graph import OpGraph
+
+__all__ = ["StepCosts", "op_times", "category_scale", "model_states_for"]
+
+_DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Time of the step and what a plan adds to it."""
+
+    step_s: float
+    recompute_flops: int
+    recompute_s: float
+    offload_bytes: int
+    exposed_offload_s: float
+
+    @property
+    def overhead(self) -> float:
+        base = self.step_s - self.recompute_s - self.exposed_offload_s
+        return (self.recompute_s + self.exposed_offload_s) / base if base > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "overhead": self.overhead}
+
+
+def op_times(graph: OpGraph, device: DeviceSpec) -> np.ndarray:
+    """Roofline seconds of each op on the target device (views and no-ops cost nothing)."""
+    out = np.zeros(len(graph.ops))
+    for op in graph.ops:
+        if op.flops == 0 and not op.allocs:
+            continue
+        out[op.index] = op_time_s(op.flops, op.bytes_accessed, _DTYPES.get(op.dtype, torch.float32), device)
+    return out
+
+
+def category_scale(graph: OpGraph, config: TrainConfig) -> dict[str, float]:
+    """Per-device bytes of each traced parameter/gradient byte: ZeRO sharding, and the fp32 master
+    weights and gradients behind a trace whose parameters are in the compute dtype (FSDP)."""
+    states = model_states_for(graph, config)
+    traced = {"parameter": 0, "gradient": 0}
+    for t in graph.preexisting():
+        if t.category == "parameter":
+            traced["parameter"] += t.nbytes
+    for t in graph.tensors.values():
+        if t.category == "gradient":
+            traced["gradient"] += t.nbytes
+    want = {"parameter": states.parameter, "gradient": states.gradient}
+    return {c: want[c] / traced[c] if traced[c] else 1.0 for c in traced}
+
+
+def model_states_for(graph: OpGraph, config: TrainConfig) -> ModelStates:
+    precision = get_precision(config.precision)
+    foreach = get_device(config.gpu).is_cuda
+    return model_state_bytes(graph.param_shapes, precision, config.optimizer, config.zero_stage,
+                             config.dp, foreach=foreach)

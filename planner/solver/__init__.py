@@ -1,0 +1,1 @@
+"""Solver: per-block options, the CP-SAT model, baseline strategies, plan construction."""

@@ -1,0 +1,1 @@
+"""Tracing: model specs and presets, Hugging Face support, the recorder, the OpGraph, blocks, fingerprints."""

@@ -1,0 +1,27 @@
+"""Brute-force search over every combination of block options: the reference the solver is tested against."""
+
+from __future__ import annotations
+
+import itertools
+
+from costmodels.hardware import get_device
+from planner.config import TrainConfig
+from planner.simulation.costs import op_times
+from planner.simulation.step import simulate
+from planner.solver.cpsat import _problem
+from planner.tracing.graph import OpGraph
+
+
+def exhaustive_solve(graph: OpGraph, config: TrainConfig, budget_bytes: int, offload: str | None = None) -> tuple[float, list[str]] | None:
+    """Brute force over every combination of block options (tests only: exponential)."""
+    times = op_times(graph, get_device(config.gpu))
+    p = _problem(graph, config, offload, set(), set(), times)
+    best: tuple[float, list[str]] | None = None
+    for combo in itertools.product(*[range(len(o)) for o in p.options]):
+        cost = sum(0.0 if p.effects[r][k] is None else p.effects[r][k].cost_s for r, k in enumerate(combo))
+        if best is not None and cost >= best[0]:
+            continue
+        choices = [p.options[r][k].choice for r, k in enumerate(combo) if p.options[r][k].choice is not None]
+        if simulate(graph, config, choices=choices).peak_bytes <= budget_bytes:
+            best = (cost, [p.options[r][k].name for r, k in enumerate(combo)])
+    return best
