@@ -1,0 +1,83 @@
+"""Classes of aten ops, as sets of OpOverloads, shared by the solver's options and the baselines.
+
+A traced :class:`~planner.tracing.graph.OpNode` names its op as ``str(overload)``
+(``"aten.mm.default"``); each class here is the set of such names of its overloads, so an op is
+classified by exact overload (``op.name in MATMUL_OPS``), never by a substring of its name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch._ops import OpOverload
+
+__all__ = [
+    "ATTENTION_CORE_OPS",
+    "ATTENTION_OPS",
+    "CONV_OPS",
+    "HEAVY_OPS",
+    "LINEAR_MATMUL_OPS",
+    "MATMUL_OPS",
+    "OP_SAC_SAVE_OPS",
+    "op_names",
+]
+
+aten = torch.ops.aten
+
+
+def op_names(ops: Iterable[OpOverload]) -> frozenset[str]:
+    """The names traced graphs give these overloads (``str(overload)``)."""
+    return frozenset(str(op) for op in ops)
+
+
+# Matmuls that a Linear layer dispatches to: torchtitan's alternating policy counts these.
+LINEAR_MATMUL_OPS = op_names({aten.mm.default, aten.addmm.default})
+
+MATMUL_OPS = LINEAR_MATMUL_OPS | op_names({aten.bmm.default, aten.baddbmm.default})
+
+# Fused attention kernels (the outputs op-SAC saves; Megatron's selective recompute redoes them).
+ATTENTION_OPS = op_names(
+    {
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+        aten._scaled_dot_product_fused_attention_overrideable.default,
+        aten._flash_attention_forward.default,
+        aten._efficient_attention_forward.default,
+    }
+)
+
+# What makes up the attention core of an unfused attention: QK^T and PV batched matmuls, softmax,
+# attention dropout. Megatron's selective recompute recomputes the core (see solver.policies).
+ATTENTION_CORE_OPS = ATTENTION_OPS | op_names(
+    {
+        aten.bmm.default,
+        aten.baddbmm.default,
+        aten._softmax.default,
+        aten.softmax.int,
+        aten._safe_softmax.default,
+        aten.native_dropout.default,
+        aten.dropout.default,
+    }
+)
+
+CONV_OPS = op_names(
+    {
+        aten.convolution.default,
+        aten._convolution.default,
+        aten.mkldnn_convolution.default,
+        aten.cudnn_convolution.default,
+    }
+)
+
+# Ops whose outputs cost the most time per byte to recompute.
+HEAVY_OPS = MATMUL_OPS | CONV_OPS | ATTENTION_OPS
+
+# torch's op-level SAC as torch.utils.checkpoint documents it and torchtitan's `_op_sac_save_list`:
+# save matmul, attention and convolution outputs (and torchtitan's reduce-scatter and amax), recompute
+# the rest.
+OP_SAC_SAVE_OPS = HEAVY_OPS | op_names(
+    {aten.max.default, torch.ops._c10d_functional.reduce_scatter_tensor.default}
+)
