@@ -31,13 +31,14 @@ from costmodels.memory import (
     optimizer_state_bytes,
     optimizer_step_temporary_bytes,
 )
-from costmodels.runtime import op_time_s, transfer_time_s
+from costmodels.runtime import collective_time_s, op_time_s, transfer_time_s
 
 __all__ = [
     "AllocatorEstimate",
     "DEVICES",
     "DTYPE_BYTES",
     "DeviceSpec",
+    "collective_time_s",
     "ModelStates",
     "OPTIMIZERS",
     "PRECISIONS",

@@ -5,6 +5,14 @@ Sources: vendor datasheets (NVIDIA A100/H100/H200/L40S, AMD MI300X). FLOP/s are 
 ``memory_bytes`` is the capacity a process can see (what ``torch.cuda.get_device_properties``
 reports, slightly below the marketing size where ECC/driver reservations apply).
 Host link is effective one-direction PCIe throughput (gen4 x16 ~25 GB/s, gen5 x16 ~50 GB/s).
+
+Collective links are per GPU, one direction, as NCCL's bus bandwidth sees them:
+``interconnect_bytes_per_s`` inside a node of ``gpus_per_node`` GPUs (NVLink: A100 NVLink3 600 GB/s
+and H100/H200 NVLink4 900 GB/s bidirectional per GPU, so 300 and 450 GB/s; MI300X Infinity Fabric
+7 x 64 GB/s = 448 GB/s; L40S has no NVLink and goes through PCIe gen4), ``network_bytes_per_s``
+between nodes (one InfiniBand NIC per GPU: HDR 200 Gb/s = 25 GB/s on DGX A100, NDR 400 Gb/s =
+50 GB/s on DGX H100/H200 and MI300X platforms; 100 Gb/s Ethernet = 12.5 GB/s for L40S servers).
+The cpu entry stands for gloo over shared memory on one host.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ class DeviceSpec:
     host_link_bytes_per_s: float
     disk_bytes_per_s: float
     is_cuda: bool
+    interconnect_bytes_per_s: float = 10e9
+    network_bytes_per_s: float = 12.5e9
+    gpus_per_node: int = 8
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -35,19 +46,19 @@ class DeviceSpec:
 
 DEVICES: dict[str, DeviceSpec] = {
     # Modest server CPU: ~2 TFLOP/s bf16 (AMX/AVX-512), DDR5 ~50 GB/s; host link = memory bandwidth.
-    "cpu": DeviceSpec("cpu", 64 * GiB, 2e12, 1e12, 50e9, 50e9, 2e9, False),
+    "cpu": DeviceSpec("cpu", 64 * GiB, 2e12, 1e12, 50e9, 50e9, 2e9, False, 10e9, 12.5e9, 1),
     # A100 SXM4 40GB: 312 TFLOP/s bf16, 19.5 TFLOP/s fp32, 1555 GB/s HBM2, PCIe gen4.
-    "a100-40gb": DeviceSpec("a100-40gb", 40 * GiB, 312e12, 19.5e12, 1.555e12, 25e9, 3e9, True),
+    "a100-40gb": DeviceSpec("a100-40gb", 40 * GiB, 312e12, 19.5e12, 1.555e12, 25e9, 3e9, True, 300e9, 25e9),
     # A100 SXM4 80GB: 80 GiB HBM2e, 2039 GB/s.
-    "a100-80gb": DeviceSpec("a100-80gb", 80 * GiB, 312e12, 19.5e12, 2.039e12, 25e9, 3e9, True),
+    "a100-80gb": DeviceSpec("a100-80gb", 80 * GiB, 312e12, 19.5e12, 2.039e12, 25e9, 3e9, True, 300e9, 25e9),
     # H100 SXM5 80GB: torch reports ~79.2 GiB; 989.4 TFLOP/s bf16 dense, 66.9 fp32, 3.35 TB/s, PCIe gen5.
-    "h100-80gb": DeviceSpec("h100-80gb", 85_031_714_816, 989.4e12, 66.9e12, 3.35e12, 50e9, 3e9, True),
+    "h100-80gb": DeviceSpec("h100-80gb", 85_031_714_816, 989.4e12, 66.9e12, 3.35e12, 50e9, 3e9, True, 450e9, 50e9),
     # H200 SXM 141GB HBM3e: ~139.8 GiB usable, same compute as H100, 4.8 TB/s.
-    "h200": DeviceSpec("h200", 150_110_011_392, 989.4e12, 66.9e12, 4.8e12, 50e9, 3e9, True),
+    "h200": DeviceSpec("h200", 150_110_011_392, 989.4e12, 66.9e12, 4.8e12, 50e9, 3e9, True, 450e9, 50e9),
     # L40S 48GB GDDR6 (46068 MiB visible): 362 TFLOP/s bf16 dense, 91.6 fp32, 864 GB/s, PCIe gen4.
-    "l40s": DeviceSpec("l40s", 46068 * MiB, 362e12, 91.6e12, 864e9, 25e9, 3e9, True),
+    "l40s": DeviceSpec("l40s", 46068 * MiB, 362e12, 91.6e12, 864e9, 25e9, 3e9, True, 25e9, 12.5e9),
     # MI300X 192GB HBM3: 1307.4 TFLOP/s bf16 dense, 163.4 fp32, 5.3 TB/s, PCIe gen5 (ROCm exposes torch.cuda).
-    "mi300x": DeviceSpec("mi300x", 192 * GiB, 1307.4e12, 163.4e12, 5.3e12, 50e9, 3e9, True),
+    "mi300x": DeviceSpec("mi300x", 192 * GiB, 1307.4e12, 163.4e12, 5.3e12, 50e9, 3e9, True, 448e9, 50e9),
 }
 
 

@@ -1,7 +1,15 @@
 import pytest
 import torch
 
-from costmodels import DEVICES, DeviceSpec, get_device, op_time_s, transfer_time_s
+from costmodels import (
+    DEVICES,
+    DeviceSpec,
+    collective_time_s,
+    get_device,
+    op_time_s,
+    transfer_time_s,
+)
+from costmodels.runtime import COLLECTIVE_EFFICIENCY
 
 REQUIRED = ("cpu", "a100-40gb", "a100-80gb", "h100-80gb", "h200", "l40s", "mi300x")
 
@@ -54,3 +62,15 @@ def test_transfer_time():
     assert transfer_time_s(3 * 10**9, h100, "disk") == pytest.approx(1.0)
     with pytest.raises(ValueError, match="choose one of: cpu, disk"):
         transfer_time_s(1, h100, "nvme")
+
+
+def test_collective_time_ring_bound_and_links():
+    h100 = get_device("h100-80gb")
+    assert collective_time_s(10**9, 1, h100) == 0.0
+    # 8 GPUs in one node: 7/8 of the bytes over NVLink at 80% of 450 GB/s
+    assert collective_time_s(8 * 10**9, 8, h100) == pytest.approx(7e9 / (COLLECTIVE_EFFICIENCY * 450e9))
+    # 16 GPUs span two nodes: the ring runs at the network's 50 GB/s per GPU
+    assert collective_time_s(16 * 10**9, 16, h100) == pytest.approx(15e9 / (COLLECTIVE_EFFICIENCY * 50e9))
+    assert all(d.interconnect_bytes_per_s >= d.network_bytes_per_s for d in DEVICES.values() if d.is_cuda)
+    with pytest.raises(ValueError):
+        collective_time_s(-1, 2, h100)
