@@ -13,6 +13,7 @@ from planner.config import TrainConfig
 from planner.plans.format import Plan, PlanLadder, load_plan
 from planner.runtime.verify import Measurement, measure_step
 from planner.simulation.step import Timeline, simulate
+from planner.tracing.hf import disable_kv_cache
 from planner.tracing.recorder import trace
 from planner.tracing.specs import resolve_spec
 
@@ -72,6 +73,7 @@ def verify_model(spec: str, config: TrainConfig, plan: Plan | PlanLadder | str |
     torch.manual_seed(seed)
     model, inputs = resolve_spec(spec).build(batch_size=config.batch_size, seq_len=config.seq_len)
     model.to(get_precision(config.precision).param_dtype)
+    disable_kv_cache(model)  # as the trace and an applied plan run it
     handle = apply_plan(model, plan) if plan is not None else None
     try:
         measured: Measurement = measure_step(model, inputs, config)

@@ -1,20 +1,27 @@
 """Find the checkpointable blocks of a model: the repeated layers of a transformer, the residual
-blocks of a CNN.
+blocks of a CNN, wherever they live.
 
 A *block container* is an `nn.ModuleList`, `nn.Sequential` or `nn.ModuleDict` (the model itself
-included) with at least two children that own
-parameters and are composite or repeated. The blocks are the children of the outermost block containers; when every child of a
-container is itself a block container and the children differ (the stages of a ResNet), the
-blocks are one level further down.
+included) with at least two children that own parameters and are composite or repeated. The
+blocks are the children of the outermost block containers; when every child of a container is
+itself a block container and the children differ (the stages of a ResNet), the blocks are one
+level further down. Outside containers, two or more composite children of one module with the
+same structure are blocks too (layers kept as attributes, custom containers); when each of them
+holds blocks itself (an encoder and a decoder of one shape), its blocks are. `--blocks GLOB`
+names them explicitly instead.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import math
 import re
+from collections.abc import Sequence
 
 from torch import nn
+
+from planner.errors import TraceError
 
 __all__ = ["find_region_paths", "module_signature", "parse_segment", "segment_children", "is_segment"]
 
@@ -108,16 +115,56 @@ def _blocks_of(path: str, container: nn.Module) -> list[str]:
     return [f"{path}.{name}" if path else name for name, _ in children]
 
 
-def find_region_paths(model: nn.Module) -> list[str]:
-    """Module paths of the model's checkpointable blocks, in definition order."""
+def _repeated_children(module: nn.Module) -> set[str]:
+    """Children of a plain module that repeat: two or more composite, parameter-owning children
+    with the same structure (layers kept as attributes `self.layer0`, `self.layer1`, ...)."""
+    groups: dict[str, list[str]] = {}
+    for name, child in module.named_children():
+        if _owns_parameters(child) and any(True for _ in child.children()):
+            groups.setdefault(module_signature(child), []).append(name)
+    return {name for names in groups.values() if len(names) >= 2 for name in names}
+
+
+def _found_in(path: str, module: nn.Module) -> list[str]:
+    if _is_block_container(module):
+        return _blocks_of(path, module)
+    repeated = _repeated_children(module)
+    inner = {name: _found_in(f"{path}.{name}" if path else name, child)
+             for name, child in module.named_children()}
+    # Repeated stacks that hold blocks themselves (an encoder and a decoder of one shape): their blocks.
+    descend = bool(repeated) and all(len(inner[name]) >= 2 for name in repeated)
     found: list[str] = []
-
-    def visit(path: str, module: nn.Module) -> None:
-        if _is_block_container(module):
-            found.extend(_blocks_of(path, module))
-            return
-        for name, child in module.named_children():
-            visit(f"{path}.{name}" if path else name, child)
-
-    visit("", model)
+    for name, blocks in inner.items():
+        if name in repeated and not descend:
+            found.append(f"{path}.{name}" if path else name)
+        else:
+            found.extend(blocks)
     return found
+
+
+def _matching(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """The outermost modules whose paths match one of the glob patterns, in definition order."""
+    names = [name for name, _ in model.named_modules() if name]
+    found: list[str] = []
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            tops = ", ".join(name for name, _ in model.named_children())
+            raise TraceError(f"--blocks '{pattern}' matches no module of the model; its top-level "
+                             f"modules are: {tops} (paths are dotted, e.g. 'encoder.layer*')")
+    for name in names:
+        if any(fnmatch.fnmatchcase(name, p) for p in patterns) and not any(
+                name.startswith(f + ".") for f in found):
+            found.append(name)
+    return found
+
+
+def find_region_paths(model: nn.Module, patterns: Sequence[str] = ()) -> list[str]:
+    """Module paths of the model's checkpointable blocks, in definition order.
+
+    With `patterns` (globs over module paths, `--blocks`) the blocks are the outermost modules
+    that match; otherwise they are found by structure: the children of block containers, and
+    repeated composite children of any module (attribute layers, custom containers).
+    """
+    if patterns:
+        return _matching(model, patterns)
+    return _found_in("", model)

@@ -1,25 +1,43 @@
-"""Hugging Face models from a config file (transformers is an optional dependency)."""
+"""Hugging Face support: models from a config file, and what makes a model take, on fake
+tensors, the path its eager run takes (transformers is an optional dependency).
+
+- transformers treats a FakeTensor as "tracing" (`is_tracing`) and then builds causal masks and
+  repeats key/value heads that the eager run skips: :func:`eager_transformers` tells it no.
+- Weight initialisation does not change memory, and some of it (`trunc_normal_`) loops on data
+  values: :func:`skip_init` turns `torch.nn.init` (and transformers' copy of it) into no-ops
+  while a model builds for the trace.
+- A key/value cache changes what a recompute runs: training, the trace and applied plans run
+  without it (:func:`disable_kv_cache`).
+"""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
+import torch
 from torch import nn
 
 from planner.errors import SpecError
 from planner.tracing.models import random_tokens
 
-__all__ = ["hf_builder"]
+__all__ = ["disable_kv_cache", "eager_transformers", "hf_builder", "skip_init"]
 
 
-def _build_hf(config_path: str, batch_size: int, seq_len: int) -> tuple[nn.Module, dict]:
+def _build_hf(
+    config_path: str, batch_size: int, seq_len: int
+) -> tuple[nn.Module, dict]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(config_path)
     input_ids, labels = random_tokens(batch_size, seq_len, config.vocab_size)
-    return AutoModelForCausalLM.from_config(config), {"input_ids": input_ids, "labels": labels}
+    return AutoModelForCausalLM.from_config(config), {
+        "input_ids": input_ids,
+        "labels": labels,
+    }
 
 
 def hf_builder(config_path: str) -> Callable[[int, int], tuple[nn.Module, dict]]:
@@ -27,7 +45,92 @@ def hf_builder(config_path: str) -> Callable[[int, int], tuple[nn.Module, dict]]
     try:
         import transformers  # noqa: F401
     except ImportError as e:
-        raise SpecError("hf: specs need the transformers package: pip install transformers") from e
+        raise SpecError(
+            "hf: specs need the transformers package: pip install transformers"
+        ) from e
     if not Path(config_path).exists():
-        raise SpecError(f"Hugging Face config {config_path} not found; point hf: at a config.json or its folder")
+        raise SpecError(
+            f"Hugging Face config {config_path} not found; point hf: at a config.json or its folder"
+        )
     return partial(_build_hf, config_path)
+
+
+_INIT_NAMES = tuple(
+    n
+    for n in dir(nn.init)
+    if n.endswith("_") and not n.startswith("_") and callable(getattr(nn.init, n))
+)
+_HF_IMPORT_UTILS = "transformers.utils.import_utils"
+_HF_INIT = "transformers.initialization"
+
+
+def _not_fake(_tensor=None) -> bool:
+    return False
+
+
+@contextmanager
+def eager_transformers() -> Iterator[None]:
+    """While active, transformers does not see fake tensors as a sign of tracing."""
+    module = sys.modules.get(_HF_IMPORT_UTILS)
+    original = getattr(module, "is_fake_tensor", None)
+    if original is None:
+        yield
+        return
+    module.is_fake_tensor = _not_fake
+    try:
+        yield
+    finally:
+        module.is_fake_tensor = original
+
+
+def _keep(tensor: torch.Tensor, *_args, **_kwargs) -> torch.Tensor:
+    return tensor
+
+
+@contextmanager
+def skip_init() -> Iterator[None]:
+    """While active, `torch.nn.init.*_` functions (and transformers' table of them) do nothing.
+
+    transformers records torch's init functions when it is imported; if it is first imported
+    inside this context, its table is put back to torch's functions on exit.
+    """
+    originals = {name: getattr(nn.init, name) for name in _INIT_NAMES}
+    hf_init = sys.modules.get(_HF_INIT)
+    hf_originals = dict(getattr(hf_init, "TORCH_INIT_FUNCTIONS", {}))
+    for name in _INIT_NAMES:
+        setattr(nn.init, name, _keep)
+    hf_table = getattr(hf_init, "TORCH_INIT_FUNCTIONS", None)
+    if hf_table is not None:
+        for name in hf_table:
+            hf_table[name] = _keep
+    try:
+        yield
+    finally:
+        for name, func in originals.items():
+            setattr(nn.init, name, func)
+        hf_table = getattr(sys.modules.get(_HF_INIT), "TORCH_INIT_FUNCTIONS", None)
+        if hf_table is not None:
+            for name, func in hf_table.items():
+                if func is _keep:
+                    hf_table[name] = hf_originals.get(name, originals.get(name, func))
+
+
+def _configs_of(model: nn.Module) -> list[object]:
+    """Every distinct config object a model's modules hold (an encoder-decoder has several)."""
+    seen: dict[int, object] = {}
+    for module in model.modules():
+        for attr in ("config", "generation_config"):
+            config = getattr(module, attr, None)
+            if config is not None and hasattr(config, "use_cache"):
+                seen.setdefault(id(config), config)
+    return list(seen.values())
+
+
+def disable_kv_cache(model: nn.Module) -> list[tuple[object, bool]]:
+    """Turn `use_cache` off on every config object of a model (HF); returns what to restore."""
+    changed = []
+    for config in _configs_of(model):
+        if config.use_cache:
+            changed.append((config, config.use_cache))
+            config.use_cache = False
+    return changed

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,6 +37,9 @@ from planner.tracing.blocks import (
 )
 from planner.tracing.fingerprint import model_fingerprint
 from planner.tracing.graph import OpGraph, OpNode, Region, TensorInfo
+from planner.tracing.hf import disable_kv_cache, eager_transformers, skip_init
+from planner.tracing.moe import RoutingAssumption
+from planner.tracing.shadow import ShadowMode
 from planner.tracing.specs import ModelSpec, resolve_spec
 
 __all__ = ["TraceError", "trace", "trace_model", "loss_of", "run_step_inputs"]
@@ -84,6 +88,18 @@ def _kernel_storage_bytes(func, args, out: torch.Tensor, nbytes: int) -> int:
             numel *= _as_int(d, "a loss input")
         return max(nbytes, numel * out.element_size())
     return nbytes
+
+
+def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an op writes in place (its schema marks them `Tensor(a!)`)."""
+    if not func._schema.is_mutable:
+        return []
+    out = []
+    for k, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[k] if k < len(args) else kwargs.get(arg.name)
+            out += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return out
 
 
 @dataclass
@@ -180,9 +196,10 @@ class _Recorder(TorchDispatchMode):
         if self.with_costs:
             flops = op_flops(func, args, kwargs, out)
             bytes_accessed = op_bytes_accessed((args, kwargs), out)
+        mutates = tuple(dict.fromkeys(self.tid_of(t, -1)[0] for t in _written(func, args, kwargs)))
         self.ops.append(OpNode(
             index, str(func), self.phase, module, int(flops), int(bytes_accessed), dtype,
-            inputs, tuple(dict.fromkeys(outputs)), tuple(allocs),
+            inputs, tuple(dict.fromkeys(outputs)), tuple(allocs), mutates,
         ))
         return out
 
@@ -238,7 +255,8 @@ def _phase_of_forward_ops(ops: list[OpNode], backward_start: int) -> list[OpNode
     return out
 
 
-def _regions(model: nn.Module, graph: OpGraph, param_bytes_of: Callable[[nn.Module], int]) -> list[Region]:
+def _regions(model: nn.Module, graph: OpGraph, param_bytes_of: Callable[[nn.Module], int],
+             blocks: Sequence[str] = ()) -> list[Region]:
     """The checkpointable blocks with their forward and backward op ranges.
 
     When module hooks cannot see a block's backward (an in-place op on its output rebases the
@@ -247,7 +265,7 @@ def _regions(model: nn.Module, graph: OpGraph, param_bytes_of: Callable[[nn.Modu
     """
     regions = []
     first_use = graph.first_backward_use()
-    for path in find_region_paths(model):
+    for path in find_region_paths(model, blocks):
         modules = ([model.get_submodule(c) for c in segment_children(model, path)] if is_segment(path)
                    else [model.get_submodule(path)])
         ops = graph.ops_in_module(path)
@@ -266,11 +284,12 @@ def _regions(model: nn.Module, graph: OpGraph, param_bytes_of: Callable[[nn.Modu
 
 
 def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp32",
-                name: str = "model", lifetimes: bool = True) -> OpGraph:
+                name: str = "model", lifetimes: bool = True, blocks: Sequence[str] = ()) -> OpGraph:
     """Trace a model whose parameters and inputs are fake tensors of the active FakeTensorMode.
 
     `lifetimes=False` skips the second forward (natural lifetimes): enough to simulate without a
-    plan, not to plan.
+    plan, not to plan. `blocks` (globs over module paths) names the checkpointable blocks; by
+    default they are found by structure.
     """
     params = [p for p in model.parameters()]
     param_dtype = str(params[0].dtype).replace("torch.", "") if params else "float32"
@@ -336,7 +355,7 @@ def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp3
               "natural_lifetimes": lifetimes,
               "num_modules": sum(1 for _ in model.modules())},
     )
-    graph.regions = _regions(model, graph, param_bytes_of)
+    graph.regions = _regions(model, graph, param_bytes_of, blocks)
     return graph
 
 
@@ -409,13 +428,19 @@ def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def trace(spec: str | ModelSpec, *, batch_size: int = 1, seq_len: int = 512,
-          precision: str = "fp32", gathered_params: bool = False, lifetimes: bool = True) -> OpGraph:
+          precision: str = "fp32", gathered_params: bool = False, lifetimes: bool = True,
+          moe_imbalance: float = 1.0, blocks: Sequence[str] = ()) -> OpGraph:
     """Trace one forward, loss and backward of a model spec on fake CPU tensors.
 
     Nothing is allocated: a 70B model traces on a laptop. The precision decides the parameter
     dtype and the autocast dtype of the forward. With `gathered_params` (ZeRO-3/FSDP) a mixed
     precision runs as FSDP's MixedPrecisionPolicy does: parameters gathered in the compute dtype,
     no autocast (the simulator puts the fp32 master weights back).
+
+    The model builds without weight init and runs the path its eager run takes: small integer and
+    boolean tensors (ids, positions, masks) keep real values that answer data-dependent checks;
+    mixture-of-experts routing follows `moe_imbalance` (1.0: balanced, see tracing/moe.py),
+    recorded in `graph.meta["moe"]`. The key/value cache is off, as in training.
     """
     model_spec = resolve_spec(spec) if isinstance(spec, str) else spec
     prec = get_precision(precision)
@@ -423,12 +448,20 @@ def trace(spec: str | ModelSpec, *, batch_size: int = 1, seq_len: int = 512,
     if gathered_params and prec.autocast_dtype is not None:
         param_dtype, traced_precision = prec.autocast_dtype, "fp32"
     with ExitStack() as stack:
-        stack.enter_context(FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True))
-        model, inputs = model_spec.build(batch_size=batch_size, seq_len=seq_len)
+        fake_mode = stack.enter_context(FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True))
+        routing = RoutingAssumption(moe_imbalance)
+        stack.enter_context(ShadowMode(fake_mode, route=routing))
+        with skip_init():
+            model, inputs = model_spec.build(batch_size=batch_size, seq_len=seq_len)
+        stack.enter_context(eager_transformers())
+        disable_kv_cache(model)
         if param_dtype != torch.float32:
             _cast_parameters(model, param_dtype)
         model.train()
-        graph = trace_model(model, inputs, precision=traced_precision, name=model_spec.name, lifetimes=lifetimes)
+        graph = trace_model(model, inputs, precision=traced_precision, name=model_spec.name,
+                            lifetimes=lifetimes, blocks=blocks)
         graph.meta["precision"] = precision
+    if routing.routers:
+        graph.meta["moe"] = routing.to_dict()
     graph.meta.update(batch_size=batch_size, seq_len=seq_len)
     return graph

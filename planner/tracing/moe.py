@@ -1,0 +1,108 @@
+"""Mixture-of-experts routing under an explicit assumption.
+
+A router's top-k over expert scores decides how many tokens each expert gets; on fake tensors
+there are no scores. memplan assumes the routing instead: balanced by default (every expert gets
+tokens x top-k / experts rows), or with the busiest expert getting `imbalance` times that mean
+and the others sharing the rest evenly. Summed over experts the routed rows are tokens x top-k
+whatever the routing, so activations saved for backward do not depend on it; only the transients
+of the busiest expert do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from planner.errors import MemplanError
+
+__all__ = ["RoutingAssumption", "routed_indices"]
+
+
+def routed_indices(
+    tokens: int, experts: int, top_k: int, imbalance: float
+) -> torch.Tensor:
+    """(tokens, top_k) expert indices, distinct per token: expert 0 is chosen by
+    round(imbalance x tokens x top_k / experts) tokens (at most every token), the other experts
+    round-robin over the remaining choices."""
+    if top_k >= experts or experts < 2:
+        return torch.arange(top_k).repeat(tokens, 1) % experts
+    busiest = min(tokens, max(0, round(imbalance * tokens * top_k / experts)))
+    rows, cursor = [], 0
+    for t in range(tokens):
+        row = [0] if t < busiest else []
+        while len(row) < top_k:
+            row.append(1 + cursor % (experts - 1))
+            cursor += 1
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.long)
+
+
+@dataclass
+class RoutingAssumption:
+    """What memplan assumes about routing, and how many router top-k ops it answered."""
+
+    imbalance: float = 1.0
+    routers: int = 0
+    experts: int = 0
+    top_k: int = 0
+    tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.imbalance >= 1.0:
+            raise MemplanError(
+                f"--moe-imbalance must be at least 1.0 (1.0 = balanced), got {self.imbalance!r}"
+            )
+
+    def __call__(
+        self, func: Any, args: tuple, out: Any
+    ) -> list[torch.Tensor | None] | None:
+        """Shadow for a top-k over the last dimension of float scores: the assumed indices."""
+        if str(func) != "aten.topk.default":
+            return None
+        scores, k = args[0], int(args[1])
+        dim = int(args[2]) if len(args) > 2 else -1
+        if (
+            not scores.is_floating_point()
+            or dim not in (-1, scores.dim() - 1)
+            or scores.dim() < 1
+        ):
+            return None
+        experts = int(scores.shape[-1])
+        tokens = int(scores.numel()) // experts
+        self.routers += 1
+        self.experts, self.top_k, self.tokens = experts, k, tokens
+        indices = routed_indices(tokens, experts, k, self.imbalance).reshape(
+            *scores.shape[:-1], k
+        )
+        return [None, indices]
+
+    def busiest_rows(self) -> int:
+        if not self.experts:
+            return 0
+        return int(
+            routed_indices(self.tokens, self.experts, self.top_k, self.imbalance)
+            .eq(0)
+            .sum()
+        )
+
+    def to_dict(self) -> dict:
+        """What goes into the trace's meta, the JSON and the plan."""
+        d = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        d["busiest_expert_rows"] = self.busiest_rows()
+        d["mean_rows_per_expert"] = (
+            self.tokens * self.top_k / self.experts if self.experts else 0
+        )
+        return d
+
+    def describe(self) -> str:
+        if not self.routers:
+            return ""
+        d = self.to_dict()
+        kind = "balanced" if self.imbalance == 1.0 else f"imbalance {self.imbalance:g}"
+        return (
+            f"MoE routing assumed {kind}: {self.routers} routers, {self.tokens} tokens x top-{self.top_k} "
+            f"over {self.experts} experts, {d['mean_rows_per_expert']:g} rows per expert on average, "
+            f"{d['busiest_expert_rows']} for the busiest"
+        )

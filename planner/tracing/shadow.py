@@ -1,0 +1,206 @@
+"""Real values for the small tensors a forward branches on, while everything else stays fake.
+
+Token ids, positions, attention masks and routing indices are small integer or boolean tensors.
+Models branch on them (`if mask.all()`, `for e in expert_hit`, `torch.where(mask)`), which fake
+tensors cannot answer. A :class:`ShadowMode` keeps a real *shadow* of every such tensor: factory
+ops of integer/bool dtype and ops whose tensor inputs all have shadows run once more on the real
+shadows (cheap: they are small). Reading a value (`.item()`, `bool()`) is answered from the shadow;
+an op with a data-dependent output size (`nonzero`, boolean indexing) gets a fake output of the
+size its real result has. Reading a value that has no shadow is a one-line :class:`TraceError`
+naming the op and the source line.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._subclasses import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+from planner.errors import TraceError
+
+__all__ = ["ShadowMode", "source_line"]
+
+# Shadows are kept up to these sizes (elements): masks and ids of long sequences stay cheap.
+MAX_SHADOW_INT_NUMEL = 1 << 24
+MAX_SHADOW_FLOAT_NUMEL = 1 << 20
+
+_READ_OPS = (
+    "aten._local_scalar_dense.default",
+    "aten.is_nonzero.default",
+    "aten.equal.default",
+)
+_DYNAMIC_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
+_OWN_DIRS = tuple(
+    os.path.dirname(p) + os.sep for p in (torch.__file__, os.path.dirname(__file__))
+)
+
+
+def source_line() -> str:
+    """'file.py:LINE' of the innermost frame outside torch and memplan's tracing code."""
+    for frame in reversed(traceback.extract_stack()):
+        if (
+            not frame.filename.startswith(_OWN_DIRS)
+            and "contextlib" not in frame.filename
+        ):
+            return f"{os.path.basename(frame.filename)}:{frame.lineno} ({(frame.line or '').strip()[:80]})"
+    return "an unknown line"
+
+
+def _small(t: torch.Tensor) -> bool:
+    limit = (
+        MAX_SHADOW_FLOAT_NUMEL
+        if t.is_floating_point() or t.is_complex()
+        else MAX_SHADOW_INT_NUMEL
+    )
+    return t.numel() <= limit
+
+
+class ShadowMode(TorchDispatchMode):
+    """Keeps real shadows of small integer/bool tensors under `fake_mode` (see the module doc).
+
+    `route` may give the integer outputs of an op that has no shadow (a router's top-k indices)
+    a shadow from an explicit assumption: route(func, args, out) -> shadows or None.
+    """
+
+    def __init__(
+        self,
+        fake_mode: FakeTensorMode,
+        route: Callable[[Any, tuple, Any], list[torch.Tensor | None] | None]
+        | None = None,
+    ) -> None:
+        super().__init__()
+        self.fake_mode = fake_mode
+        self.route = route
+        self.shadows: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def real(self, t: Any) -> Any:
+        """The real value standing for `t` (itself when not fake); None when it has none."""
+        if not isinstance(t, torch.Tensor):
+            return t
+        if not isinstance(t, FakeTensor):
+            return t
+        return self.shadows.get(t)
+
+    def _all_real(self, args, kwargs) -> tuple[bool, Any, Any]:
+        tensors = [
+            t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        ]
+        if any(self.real(t) is None for t in tensors):
+            return False, None, None
+        return True, tree_map(self.real, args), tree_map(self.real, kwargs)
+
+    def _run_real(self, func, args, kwargs) -> Any:
+        with _disable_current_modes():
+            return func(*args, **kwargs)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        have, rargs, rkwargs = self._all_real(args, kwargs)
+        if name in _READ_OPS:
+            if not have:
+                raise TraceError(
+                    f"data-dependent control flow at {source_line()}: {name} reads the value of a "
+                    "tensor computed from model data; memplan traces on fake tensors and can only "
+                    "read integer/bool tensors derived from the inputs"
+                )
+            return self._run_real(func, rargs, rkwargs)
+        dynamic = any(tag in func.tags for tag in _DYNAMIC_TAGS)
+        if dynamic and have:
+            return self._fakeify(self._run_real(func, rargs, rkwargs))
+        if name == "aten.index.Tensor":
+            args = (
+                args[0],
+                [j for i in args[1] for j in self._bool_index_as_long(i)],
+                *args[2:],
+            )
+        if name == "aten._grouped_mm.default":
+            out = _grouped_mm_fake(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if dynamic and any(
+            isinstance(d, torch.SymInt)
+            for t in tree_leaves(out)
+            if isinstance(t, torch.Tensor)
+            for d in t.shape
+        ):
+            raise TraceError(
+                f"data-dependent output size at {source_line()}: {name} on a tensor computed "
+                "from model data; memplan needs static shapes here (mixture-of-experts routing "
+                "is assumed from a router's top-k, see --moe-imbalance)"
+            )
+        self._shadow_outputs(func, args, out, have, rargs, rkwargs)
+        return out
+
+    def _bool_index_as_long(self, index: Any) -> list[Any]:
+        """A boolean index with a shadow becomes the long indices of its true elements (what
+        indexing does with it), so the result has the size the real mask gives."""
+        if (
+            not isinstance(index, torch.Tensor)
+            or index.dtype != torch.bool
+            or self.real(index) is None
+        ):
+            return [index]
+        positions = self._run_real(
+            torch.ops.aten.nonzero.default, (self.real(index),), {}
+        )
+        return [self._fakeify(p.contiguous()) for p in positions.unbind(1)]
+
+    def _fakeify(self, real_out: Any) -> Any:
+        def to_fake(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            fake = self.fake_mode.from_tensor(t, static_shapes=True)
+            self.shadows[fake] = t
+            return fake
+
+        return tree_map(to_fake, real_out)
+
+    def _shadow_outputs(self, func, args, out, have: bool, rargs, rkwargs) -> None:
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not outs:
+            return
+        has_inputs = any(
+            isinstance(t, torch.Tensor) for t in tree_leaves((args, rkwargs))
+        )
+        factory_ok = has_inputs or all(
+            not (t.is_floating_point() or t.is_complex()) for t in outs
+        )
+        if have and factory_ok and all(_small(t) for t in outs):
+            real_out = self._run_real(func, rargs, rkwargs)
+            for fake, real in zip(
+                outs, [t for t in tree_leaves(real_out) if isinstance(t, torch.Tensor)]
+            ):
+                self.shadows[fake] = real
+            return
+        if (
+            func._schema.is_mutable
+        ):  # an in-place op on data without shadows: shadows go stale
+            for t in tree_leaves(args):
+                if isinstance(t, torch.Tensor) and t in self.shadows:
+                    del self.shadows[t]
+        if self.route is not None:
+            with _disable_current_modes():  # the assumed routing is real
+                routed = self.route(func, args, out)
+            if routed is not None:
+                for fake, real in zip(outs, routed):
+                    if real is not None:
+                        self.shadows[fake] = real
+
+
+def _grouped_mm_fake(func, args, kwargs) -> torch.Tensor:
+    """aten._grouped_mm's fake kernel accepts bf16 only; the CPU kernel also runs fp32. The output
+    shape does not depend on the dtype: compute it in bf16, allocate it in the input dtype."""
+    a, b = args[0], args[1]
+    if a.dtype == torch.bfloat16:
+        return func(*args, **kwargs)
+    shape_out = func(a.to(torch.bfloat16), b.to(torch.bfloat16), *args[2:], **kwargs)
+    dtype = kwargs.get("out_dtype") or a.dtype
+    return torch.empty(shape_out.shape, dtype=dtype, device=a.device)
