@@ -38,6 +38,7 @@ from planner.runtime.offload import (
     unpack_from_host,
 )
 from planner.tracing.blocks import parse_segment
+from planner.tracing.hf import disable_kv_cache
 
 __all__ = ["ModulePlan", "PlanHandle", "apply_plan", "returns_tensor", "batch_seq_len"]
 
@@ -145,7 +146,7 @@ class PlanHandle:
         self._originals: dict[str, tuple[nn.Module, Any]] = {}  # path -> (module, own forward or None)
         self._hooks: list[Any] = []
         self._removed = False
-        self._restore_use_cache: Any = None  # a Hugging Face config whose use_cache we turned off
+        self._restore_use_cache: list[tuple[object, bool]] | None = None  # HF configs, use_cache before
         self._stream: Any = None
         self._spill_ids = itertools.count()
         needs_disk = any(mp.target == "disk" for mps in self._by_bucket.values() for mp in mps.values())
@@ -207,11 +208,10 @@ class PlanHandle:
     def _disable_kv_cache(self) -> None:
         """Hugging Face models fill a key/value cache during forward when `config.use_cache` is
         set; a recompute would then see a changed cache and run different ops. Turn it off while
-        a plan is applied (as transformers does for gradient checkpointing); remove() restores it."""
-        config = getattr(self.model, "config", None)
-        if self._originals and getattr(config, "use_cache", False) is True:
-            config.use_cache = False
-            self._restore_use_cache = config
+        a plan is applied (as transformers does for gradient checkpointing), on every config object
+        of the model (an encoder-decoder's stacks have their own); remove() restores them."""
+        if self._originals:
+            self._restore_use_cache = disable_kv_cache(self.model)
 
     def _wrap(self, path: str, module: nn.Module) -> None:
         if getattr(module.forward, "_memplan_wrapper", False):
@@ -314,9 +314,9 @@ class PlanHandle:
             else:
                 module.forward = own
         self._originals.clear()
-        if self._restore_use_cache is not None:
-            self._restore_use_cache.use_cache = True
-            self._restore_use_cache = None
+        for config, use_cache in self._restore_use_cache or ():
+            config.use_cache = use_cache
+        self._restore_use_cache = None
         if self.spill_dir is not None and self.spill_dir.exists():
             shutil.rmtree(self.spill_dir)
 

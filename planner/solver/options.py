@@ -150,7 +150,8 @@ def block_options(graph: OpGraph, span: ModuleSpan, times: np.ndarray, offload: 
                   max_selective: int = 6) -> list[BlockOption]:
     """Candidate options for one block (see module docstring)."""
     options = [BlockOption("keep", None), BlockOption("recompute", SpanChoice(span, "recompute"))]
-    producers = _saved_producers(graph, span)
+    uncacheable = graph.uncacheable_ops()  # outputs mutated later: selective keeps recompute them
+    producers = {i: n for i, n in _saved_producers(graph, span).items() if i not in uncacheable}
     if len(producers) > 1:
         # Keep first what costs the most time per byte it would free (matmuls, attention).
         ranked = sorted(producers, key=lambda i: (-times[i] / max(producers[i], 1), i))
@@ -160,7 +161,8 @@ def block_options(graph: OpGraph, span: ModuleSpan, times: np.ndarray, offload: 
                 continue
             options.append(BlockOption(f"selective-{k}", SpanChoice(span, "recompute", frozenset(ranked[:k]))))
         heavy = frozenset(i for i in range(span.fwd_start, span.fwd_end)
-                          if any(k in graph.ops[i].name for k in _HEAVY_OPS) and graph.ops[i].allocs)
+                          if any(k in graph.ops[i].name for k in _HEAVY_OPS) and graph.ops[i].allocs
+                          and i not in uncacheable)
         if heavy:
             options.append(BlockOption("selective-matmuls", SpanChoice(span, "recompute", heavy)))
         core = attention_core_choice(graph, span)
@@ -180,4 +182,5 @@ def attention_core_choice(graph: OpGraph, span: ModuleSpan) -> SpanChoice | None
     core = [i for i in producers if any(s in graph.ops[i].name for s in _ATTENTION_CORE)]
     if not core:
         return None
-    return SpanChoice(span, "recompute", frozenset(i for i in producers if i not in core))
+    uncacheable = graph.uncacheable_ops()
+    return SpanChoice(span, "recompute", frozenset(i for i in producers if i not in core and i not in uncacheable))

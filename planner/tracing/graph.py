@@ -48,7 +48,8 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class OpNode:
-    """One aten op call. `allocs` are the storages this op created."""
+    """One aten op call. `allocs` are the storages this op created, `mutates` those it wrote in
+    place."""
 
     index: int
     name: str
@@ -60,6 +61,7 @@ class OpNode:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     allocs: tuple[int, ...]
+    mutates: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ class OpGraph:
     _consumers: dict[int, list[int]] | None = field(default=None, repr=False, compare=False)
     _by_module: dict[str, list[int]] | None = field(default=None, repr=False, compare=False)
     _first_bwd_use: dict[int, int] | None = field(default=None, repr=False, compare=False)
+    _uncacheable: frozenset[int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_parameters(self) -> int:
@@ -134,6 +137,22 @@ class OpGraph:
                     out.setdefault(tid, op.index)
             self._first_bwd_use = out
         return self._first_bwd_use
+
+    def uncacheable_ops(self) -> frozenset[int]:
+        """Forward ops a selective checkpoint must not cache: in-place ops, and ops with an output
+        that a later forward op writes in place (torch refuses a cached tensor that was mutated)."""
+        if self._uncacheable is None:
+            out: set[int] = set()
+            readers: dict[int, list[int]] = {}  # storage -> forward ops that output it
+            for op in self.ops[: self.backward_start]:
+                if op.mutates:
+                    out.add(op.index)
+                    for tid in op.mutates:
+                        out.update(readers.get(tid, ()))
+                for tid in op.outputs:
+                    readers.setdefault(tid, []).append(op.index)
+            self._uncacheable = frozenset(out)
+        return self._uncacheable
 
     def ops_in_module(self, path: str) -> list[int]:
         """Indices of ops run inside a module (or its submodules), in order (indexed once)."""
