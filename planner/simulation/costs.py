@@ -27,6 +27,8 @@ class StepCosts:
     recompute_s: float
     offload_bytes: int
     exposed_offload_s: float
+    communication_s: float = 0.0  # data-parallel collectives, hidden or not
+    exposed_communication_s: float = 0.0  # the part compute does not hide (inside step_s)
 
     @property
     def overhead(self) -> float:

@@ -1,0 +1,156 @@
+"""Step time under FSDP2: all-gathers and reduce-scatters on one link, overlapped with compute as
+FSDP2's prefetch allows.
+
+The schedule follows FSDP2's defaults (``torch.distributed.fsdp.fully_shard``): the root's
+parameters are gathered first, together with block 0's; while block i computes its forward, block
+i + 1's all-gather runs (the CPU issues it ahead of the GPU). In backward each block prefetches the
+all-gather of the block that runs next (explicit backward prefetch), and its gradients are
+reduce-scattered as soon as its backward ends. All collectives share one link and run in the order
+they are issued. Kernel-launch and collective-latency terms are left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from costmodels.hardware import DeviceSpec
+from costmodels.runtime import collective_time_s
+from planner.tracing.graph import OpGraph
+
+__all__ = ["BlockTimes", "CommSchedule", "fsdp_communication", "fsdp_schedule", "step_communication"]
+
+
+@dataclass(frozen=True)
+class BlockTimes:
+    """Seconds of one FSDP unit: its forward and backward compute, its all-gather and reduce-scatter."""
+
+    forward_s: float
+    backward_s: float
+    gather_s: float
+    reduce_s: float
+
+
+@dataclass(frozen=True)
+class CommSchedule:
+    """Compute, communication and the part of communication that compute does not hide."""
+
+    compute_s: float
+    communication_s: float
+    exposed_communication_s: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Link:
+    """One collective link: each transfer starts when issued and when the previous one is done."""
+
+    def __init__(self) -> None:
+        self.free_at_s = 0.0
+        self.busy_s = 0.0
+
+    def issue(self, at_s: float, duration_s: float) -> float:
+        self.free_at_s = max(self.free_at_s, at_s) + duration_s
+        self.busy_s += duration_s
+        return self.free_at_s
+
+
+def fsdp_schedule(blocks: Sequence[BlockTimes], *, root: BlockTimes, head_forward_s: float,
+                  head_backward_s: float, reshard_after_forward: bool = True) -> CommSchedule:
+    """Makespan of one step of compute and collectives (see the module docstring).
+
+    `root` holds the non-block ops before the blocks (its forward_s/backward_s: embedding forward and
+    backward) and the root's collectives; `head_*_s` is the compute after the last block (final
+    norm, head, loss) in forward and backward. Without `reshard_after_forward`, blocks stay gathered
+    from forward to backward, so backward gathers nothing.
+    """
+    link = _Link()
+    gathered = {}
+    root_ready = link.issue(0.0, root.gather_s)
+    if blocks:
+        gathered[0] = link.issue(0.0, blocks[0].gather_s)
+    t = root_ready + root.forward_s
+    for i, block in enumerate(blocks):
+        start = max(t, gathered[i])
+        if i + 1 < len(blocks):
+            gathered[i + 1] = link.issue(start, blocks[i + 1].gather_s)
+        t = start + block.forward_s
+    backward_start = t + head_forward_s
+    t = backward_start + head_backward_s
+    last = len(blocks) - 1
+    if reshard_after_forward and blocks:
+        gathered[last] = link.issue(backward_start, blocks[last].gather_s)
+    for i in range(last, -1, -1):
+        start = max(t, gathered[i]) if reshard_after_forward else t
+        if reshard_after_forward and i > 0:
+            gathered[i - 1] = link.issue(start, blocks[i - 1].gather_s)
+        t = start + blocks[i].backward_s
+        link.issue(t, blocks[i].reduce_s)
+    t += root.backward_s
+    end = max(t, link.issue(t, root.reduce_s))
+    compute = (root.forward_s + root.backward_s + head_forward_s + head_backward_s
+               + sum(b.forward_s + b.backward_s for b in blocks))
+    return CommSchedule(compute, link.busy_s, max(0.0, end - compute))
+
+
+def fsdp_communication(graph: OpGraph, times: np.ndarray, *, dp: int, device: DeviceSpec,
+                       reduce_bytes_per_gathered_byte: float = 1.0,
+                       reshard_after_forward: bool = True) -> CommSchedule:
+    """The FSDP2 schedule of a traced step whose blocks are the FSDP units and the rest is the root.
+
+    `times` are per-op seconds; gathered bytes are the blocks' traced parameter bytes (a ZeRO-3 trace
+    holds parameters in the dtype FSDP gathers them in); reduce-scattered bytes scale them by
+    `reduce_bytes_per_gathered_byte` (2.0 when bf16 parameters reduce gradients in fp32).
+    """
+    regions = sorted(graph.regions, key=lambda r: r.fwd_start)
+    if not regions:
+        total = float(times.sum())
+        return CommSchedule(total, 0.0, 0.0)
+    param_bytes = sum(t.nbytes for t in graph.preexisting() if t.category == "parameter")
+    root_bytes = max(0, param_bytes - sum(r.param_bytes for r in regions))
+
+    def unit(forward_s: float, backward_s: float, gathered_bytes: int) -> BlockTimes:
+        gather = collective_time_s(gathered_bytes, dp, device)
+        reduce = collective_time_s(int(gathered_bytes * reduce_bytes_per_gathered_byte), dp, device)
+        return BlockTimes(forward_s, backward_s, gather, reduce)
+
+    blocks = [unit(float(times[r.fwd_start:r.fwd_end].sum()), float(times[r.bwd_start:r.bwd_end].sum()),
+                   r.param_bytes) for r in regions]
+    in_blocks = sum(b.forward_s + b.backward_s for b in blocks)
+    first, last = regions[0], regions[-1]
+    pre_forward = float(times[:first.fwd_start].sum())
+    head_forward = float(times[last.fwd_end:graph.backward_start].sum())
+    head_backward = float(times[graph.backward_start:min(r.bwd_start for r in regions)].sum())
+    root_backward = float(times.sum()) - in_blocks - pre_forward - head_forward - head_backward
+    root = unit(pre_forward, max(0.0, root_backward), root_bytes)
+    return fsdp_schedule(blocks, root=root, head_forward_s=head_forward, head_backward_s=head_backward,
+                         reshard_after_forward=reshard_after_forward)
+
+
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default gradient bucket
+
+
+def step_communication(graph: OpGraph, times: np.ndarray, *, zero_stage: int, dp: int, device: DeviceSpec,
+                       reduce_bytes_per_gathered_byte: float = 1.0,
+                       reshard_after_forward: bool = True) -> CommSchedule:
+    """Communication of one data-parallel step.
+
+    ZeRO-3 is FSDP2's schedule (:func:`fsdp_communication`). Below it every gradient is all-reduced
+    (DDP, ZeRO-1) or reduce-scattered with the updated parameters all-gathered after the step
+    (ZeRO-2): two ring passes over the gradient bytes either way, in buckets that overlap the
+    backward compute, so only what backward cannot hide and the last bucket are exposed.
+    """
+    if dp == 1:
+        return CommSchedule(float(times.sum()), 0.0, 0.0)
+    if zero_stage == 3:
+        return fsdp_communication(graph, times, dp=dp, device=device,
+                                  reduce_bytes_per_gathered_byte=reduce_bytes_per_gathered_byte,
+                                  reshard_after_forward=reshard_after_forward)
+    grad_bytes = sum(t.nbytes for t in graph.tensors.values() if t.category == "gradient")
+    comm = 2 * collective_time_s(grad_bytes, dp, device)
+    last_bucket = 2 * collective_time_s(min(grad_bytes, DDP_BUCKET_BYTES), dp, device)
+    backward_s = float(times[graph.backward_start:].sum())
+    return CommSchedule(float(times.sum()), comm, max(comm - backward_s, last_bucket))
