@@ -88,7 +88,8 @@ def verify_model(spec: str, config: TrainConfig, plan: Plan | PlanLadder | str |
 def trace_for(spec: str, config: TrainConfig, lifetimes: bool = True):
     """The trace a config needs (ZeRO-3 traces parameters as FSDP gathers them)."""
     return trace(spec, batch_size=config.batch_size, seq_len=config.seq_len, precision=config.precision,
-                 gathered_params=config.zero_stage == 3, lifetimes=lifetimes)
+                 gathered_params=config.zero_stage == 3, lifetimes=lifetimes,
+                 moe_imbalance=config.moe_imbalance, blocks=config.blocks)
 
 
 def plan_model(spec: str, config: TrainConfig, budget_bytes: int, *, strategy: str = "optimal",

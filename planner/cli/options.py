@@ -38,13 +38,21 @@ def add_model_options(p: argparse.ArgumentParser, sweep: bool = True, default_gp
     p.add_argument("--optimizer", default="adamw", help="one of: " + ", ".join(OPTIMIZERS))
     p.add_argument("--zero", type=int, default=0, dest="zero_stage", help="ZeRO stage 0-3 (3 = FSDP full shard)")
     p.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree")
+    p.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
+                   help="mixture-of-experts routing the trace assumes: the busiest expert gets F times "
+                        "the mean tokens per expert (1.0: balanced)")
+    p.add_argument("--blocks", default="", metavar="GLOB[,GLOB]",
+                   help="module paths of the checkpointable blocks, e.g. 'layer*' or 'encoder.block.*' "
+                        "(default: found by structure)")
     p.add_argument("--json", dest="json_path", help="write the result as JSON to this path")
 
 
 def config_from_args(args, seq_len: int | None = None) -> TrainConfig:
     seq = seq_len if seq_len is not None else (args.seq_len[0] if isinstance(args.seq_len, list) else args.seq_len)
     return TrainConfig(batch_size=args.batch_size, seq_len=seq, precision=args.precision,
-                       optimizer=args.optimizer, zero_stage=args.zero_stage, dp=args.dp, gpu=args.gpu)
+                       optimizer=args.optimizer, zero_stage=args.zero_stage, dp=args.dp, gpu=args.gpu,
+                       moe_imbalance=args.moe_imbalance,
+                       blocks=tuple(g.strip() for g in args.blocks.split(",") if g.strip()))
 
 
 def write_json(path: str | None, payload: dict) -> None:

@@ -7,6 +7,7 @@ from planner.api import plan_model
 from planner.cli import report
 from planner.cli.options import add_model_options, config_from_args, write_json
 from planner.plans.format import PlanLadder
+from planner.tracing.moe import describe_routing
 from planner.units import format_bytes, parse_bytes
 
 __all__ = ["register", "run", "budget_for"]
@@ -49,6 +50,8 @@ def _plan_one(args, config, budget: int):
     print(f"{args.model} seq {config.seq_len} batch {config.batch_size} {config.precision} on {config.gpu}: "
           f"budget {format_bytes(budget)}, no-plan peak {format_bytes(baseline)}")
     print(report.table(["strategy", "peak", "overhead", "fits"], lines))
+    if "moe_routing" in plan.config:
+        print(describe_routing(plan.config["moe_routing"]))
     s = plan.solver
     print(f"solver: {s.status}, added time {s.objective:.4g}s, bound {s.bound:.4g}s, gap {s.gap * 100:.2f}%, "
           f"{s.wall_s:.1f}s; {len(plan.decisions)} decisions")

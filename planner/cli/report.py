@@ -6,6 +6,7 @@ import re
 from typing import Sequence
 
 from planner.tracing.graph import CATEGORIES
+from planner.tracing.moe import describe_routing
 from planner.units import format_bytes, format_count
 
 __all__ = ["table", "timeline_table", "plot_timeline", "plot_sweep"]
@@ -40,6 +41,8 @@ def timeline_table(result: dict, capacity_bytes: int | None = None) -> str:
             f"{k} {format_bytes(v)}" for k, v in result["model_states"].items())
         + f"; {format_count(result['num_parameters'])} parameters",
     ]
+    if "moe_routing" in result.get("config", {}):
+        lines.append(describe_routing(result["config"]["moe_routing"]))
     if capacity_bytes:
         free = capacity_bytes - result["peak_bytes"]
         verdict = "fits" if free >= 0 else "does NOT fit"

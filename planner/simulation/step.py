@@ -20,7 +20,6 @@ from costmodels.hardware import DeviceSpec, get_device
 from costmodels.memory import ModelStates
 from costmodels.runtime import transfer_time_s
 from planner.config import TrainConfig
-from planner.distributed.comm import step_communication
 from planner.simulation.costs import (
     StepCosts,
     category_scale,
@@ -246,12 +245,10 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
 
     exposed = _offload_exposure(graph, times, device, offloads)
     optimizer_s = 2 * (states.parameter + states.gradient + states.optimizer) / device.hbm_bytes_per_s
-    comm = step_communication(graph, times, zero_stage=config.zero_stage, dp=config.dp, device=device)
     costs = StepCosts(
-        step_s=float(times.sum()) + optimizer_s + recompute_s + exposed + comm.exposed_communication_s,
+        step_s=float(times.sum()) + optimizer_s + recompute_s + exposed,
         recompute_flops=int(recompute_flops), recompute_s=recompute_s,
         offload_bytes=int(sum(b for _, b in offloads)), exposed_offload_s=exposed,
-        communication_s=comm.communication_s, exposed_communication_s=comm.exposed_communication_s,
     )
     return _timeline(mem, states, graph, config, costs)
 
@@ -285,7 +282,7 @@ def _timeline(mem: _Memory, states: ModelStates, graph: OpGraph, config: TrainCo
         breakdown_at_peak={c: int(v) for c, v in zip(CATEGORIES, by_category[k])},
         model_states={"parameter": states.parameter, "gradient": states.gradient,
                       "optimizer": states.optimizer},
-        num_parameters=states.num_parameters, costs=costs, config=config.to_dict(),
+        num_parameters=states.num_parameters, costs=costs, config={**config.to_dict(), **graph.assumptions()},
         op_index=np.array([s[0] for s in mem.samples]), phases=tuple(s[1] for s in mem.samples),
         by_category=by_category,
     )

@@ -40,7 +40,7 @@ def _plan(graph: OpGraph, config: TrainConfig, budget_bytes: int, strategy: str,
     return Plan(
         model=ModelInfo(spec=str(meta.get("model", "model")), fingerprint=meta["fingerprint"],
                         num_parameters=graph.num_parameters, num_modules=int(meta["num_modules"])),
-        config=config.to_dict(), budget_bytes=int(budget_bytes), strategy=strategy,
+        config={**config.to_dict(), **graph.assumptions()}, budget_bytes=int(budget_bytes), strategy=strategy,
         decisions=decisions_for(graph, choices),
         predicted=Predicted(
             peak_bytes=timeline.peak_bytes, baseline_peak_bytes=baseline_peak,

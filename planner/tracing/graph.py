@@ -138,6 +138,10 @@ class OpGraph:
             self._first_bwd_use = out
         return self._first_bwd_use
 
+    def assumptions(self) -> dict:
+        """What the trace assumed rather than saw (MoE routing), for results and plans."""
+        return {"moe_routing": self.meta["moe"]} if "moe" in self.meta else {}
+
     def uncacheable_ops(self) -> frozenset[int]:
         """Forward ops a selective checkpoint must not cache: in-place ops, and ops with an output
         that a later forward op writes in place (torch refuses a cached tensor that was mutated)."""

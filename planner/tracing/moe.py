@@ -17,7 +17,7 @@ import torch
 
 from planner.errors import MemplanError
 
-__all__ = ["RoutingAssumption", "routed_indices"]
+__all__ = ["RoutingAssumption", "describe_routing", "routed_indices"]
 
 
 def routed_indices(
@@ -96,13 +96,14 @@ class RoutingAssumption:
         )
         return d
 
-    def describe(self) -> str:
-        if not self.routers:
-            return ""
-        d = self.to_dict()
-        kind = "balanced" if self.imbalance == 1.0 else f"imbalance {self.imbalance:g}"
-        return (
-            f"MoE routing assumed {kind}: {self.routers} routers, {self.tokens} tokens x top-{self.top_k} "
-            f"over {self.experts} experts, {d['mean_rows_per_expert']:g} rows per expert on average, "
-            f"{d['busiest_expert_rows']} for the busiest"
-        )
+
+def describe_routing(routing: dict) -> str:
+    """One line for a RoutingAssumption.to_dict(): what the trace assumed."""
+    imbalance = routing["imbalance"]
+    kind = "balanced" if imbalance == 1.0 else f"imbalance {imbalance:g}"
+    return (
+        f"MoE routing assumed {kind} (--moe-imbalance): {routing['routers']} routers, "
+        f"{routing['tokens']} tokens x top-{routing['top_k']} over {routing['experts']} experts, "
+        f"{routing['mean_rows_per_expert']:g} rows per expert on average, "
+        f"{routing['busiest_expert_rows']} for the busiest"
+    )

@@ -461,7 +461,8 @@ def trace(spec: str | ModelSpec, *, batch_size: int = 1, seq_len: int = 512,
         graph = trace_model(model, inputs, precision=traced_precision, name=model_spec.name,
                             lifetimes=lifetimes, blocks=blocks)
         graph.meta["precision"] = precision
-    if routing.routers:
+    if routing.routers:  # the lifetime pass ran the routers too: count those of one forward
+        routing.routers = sum(op.name == "aten.topk.default" for op in graph.ops[: graph.backward_start])
         graph.meta["moe"] = routing.to_dict()
     graph.meta.update(batch_size=batch_size, seq_len=seq_len)
     return graph
