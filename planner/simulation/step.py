@@ -20,6 +20,7 @@ from costmodels.hardware import DeviceSpec, get_device
 from costmodels.memory import ModelStates
 from costmodels.runtime import transfer_time_s
 from planner.config import TrainConfig
+from planner.distributed.comm import step_communication
 from planner.simulation.costs import (
     StepCosts,
     category_scale,
@@ -245,10 +246,12 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
 
     exposed = _offload_exposure(graph, times, device, offloads)
     optimizer_s = 2 * (states.parameter + states.gradient + states.optimizer) / device.hbm_bytes_per_s
+    comm = step_communication(graph, times, zero_stage=config.zero_stage, dp=config.dp, device=device)
     costs = StepCosts(
-        step_s=float(times.sum()) + optimizer_s + recompute_s + exposed,
+        step_s=float(times.sum()) + optimizer_s + recompute_s + exposed + comm.exposed_communication_s,
         recompute_flops=int(recompute_flops), recompute_s=recompute_s,
         offload_bytes=int(sum(b for _, b in offloads)), exposed_offload_s=exposed,
+        communication_s=comm.communication_s, exposed_communication_s=comm.exposed_communication_s,
     )
     return _timeline(mem, states, graph, config, costs)
 
