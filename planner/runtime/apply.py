@@ -18,7 +18,7 @@ import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -149,30 +149,68 @@ class PlanHandle:
         self._restore_use_cache: list[tuple[object, bool]] | None = None  # HF configs, use_cache before
         self._stream: Any = None
         self._spill_ids = itertools.count()
-        needs_disk = any(mp.target == "disk" for mps in self._by_bucket.values() for mp in mps.values())
+        self._segments: dict[str, list[tuple[int, int, str]]] = {}  # flat Sequential -> wrapped segments
+        self._spill_parent = spill_dir
         self.spill_dir: Path | None = None
-        if needs_disk:
-            parent = None if spill_dir is None else Path(spill_dir)
-            if parent is not None:
-                parent.mkdir(parents=True, exist_ok=True)
-            self.spill_dir = Path(tempfile.mkdtemp(prefix=SPILL_PREFIX, dir=parent))
+        if any(mp.target == "disk" for mps in self._by_bucket.values() for mp in mps.values()):
+            self._make_spill_dir()
+
+    def _make_spill_dir(self) -> None:
+        parent = None if self._spill_parent is None else Path(self._spill_parent)
+        if parent is not None:
+            parent.mkdir(parents=True, exist_ok=True)
+        self.spill_dir = Path(tempfile.mkdtemp(prefix=SPILL_PREFIX, dir=parent))
 
     # -- installing -------------------------------------------------------------------
     def _install(self) -> None:
-        paths = dict.fromkeys(p for mps in self._by_bucket.values() for p in mps)
+        self._wrap_paths(p for mps in self._by_bucket.values() for p in mps)
+        self._disable_kv_cache()
+        if self.ladder is not None:
+            self._hooks.append(self.model.register_forward_pre_hook(self._select_bucket, with_kwargs=True))
+
+    def _wrap_paths(self, paths: Iterable[str]) -> None:
+        """Wrap each module or flat-Sequential segment in `paths` that is not wrapped yet; a
+        Sequential that gains segments is re-wrapped with all of them."""
         segments: dict[str, list[tuple[int, int, str]]] = defaultdict(list)  # parent -> (i, j, path)
-        for path in paths:
+        for path in dict.fromkeys(paths):
             parsed = parse_segment(path)
             if parsed is None:
-                self._wrap(path, self.model.get_submodule(path))
+                if path not in self._originals:
+                    self._wrap(path, self.model.get_submodule(path))
             else:
                 parent, i, j = parsed
                 segments[parent].append((i, j, path))
         for parent, spans in segments.items():
-            self._wrap_sequential(parent, self.model.get_submodule(parent), sorted(spans))
-        self._disable_kv_cache()
+            known = self._segments.setdefault(parent, [])
+            new = [s for s in spans if s not in known]
+            if not new:
+                continue
+            if known:
+                seq, own = self._originals.pop(parent or "<root>")
+                if own is None:
+                    del seq.forward
+                else:
+                    seq.forward = own
+            known += new
+            self._wrap_sequential(parent, self.model.get_submodule(parent), sorted(known))
+
+    def use_plan(self, plan: Plan) -> None:
+        """Follow `plan` from the next module call on (call it between steps, never inside one):
+        the modules it names are wrapped if they are not yet. Not for a ladder's handle."""
+        if self._removed:
+            raise RuntimeError("this PlanHandle was removed; apply the plan again before training")
         if self.ladder is not None:
-            self._hooks.append(self.model.register_forward_pre_hook(self._select_bucket, with_kwargs=True))
+            raise ValueError("use_plan switches a single-plan handle; a ladder picks its plans itself")
+        check_plan_matches(plan, self.model)
+        plans = module_plans(plan)
+        if self.spill_dir is None and any(mp.target == "disk" for mp in plans.values()):
+            self._make_spill_dir()
+        self._wrap_paths(plans)
+        if self._restore_use_cache is None:
+            self._disable_kv_cache()
+        self.active_bucket = int(plan.config["seq_len"])
+        self._by_bucket[self.active_bucket] = plans
+        self._active = plans
 
     def _wrap_sequential(self, path: str, seq: nn.Sequential, spans: list[tuple[int, int, str]]) -> None:
         """Run an nn.Sequential child by child, each planned segment of children as one unit."""
