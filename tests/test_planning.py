@@ -140,7 +140,7 @@ def test_baseline_plans_are_valid(name, strategy, tmp_path):
     choices = strategy_choices(graph, strategy)
     assert plan.predicted.peak_bytes == simulate(graph, config, choices=choices).peak_bytes
     assert plan.predicted.peak_bytes <= plan.predicted.baseline_peak_bytes
-    assert (strategy == "none") == (not plan.decisions) or strategy == "selective"
+    assert (strategy == "none") == (not plan.decisions) or strategy == "megatron-selective"
     regions = [r.path for r in graph.regions]
     assert set(plan.recompute_modules()) <= set(regions)
     path = tmp_path / "plan.json"
@@ -156,11 +156,11 @@ def test_baseline_plans_are_valid(name, strategy, tmp_path):
         assert len(plan.recompute_modules()) == len(regions) - max(1, round(math.sqrt(len(regions))))
 
 
-@pytest.mark.parametrize("strategy", ["full", "every-2", "sqrt", "selective"])
+@pytest.mark.parametrize("strategy", ["full", "every-2", "sqrt", "op-sac", "op-sac-alt", "megatron-selective"])
 def test_baseline_plans_keep_gradients(strategy):
     spec, config = f"{PATH}:gpt_small", TrainConfig(batch_size=2, seq_len=32)
     plan = solve(trace_for(spec, config), config, 10**12, strategy=strategy)
-    if strategy == "selective":
+    if strategy in ("op-sac", "op-sac-alt", "megatron-selective"):
         assert any(d.op is not None for d in plan.decisions)
     assert_same_grads(spec, config, plan)
 

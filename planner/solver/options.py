@@ -2,7 +2,8 @@
 
 For each checkpointable block the options are: keep everything; recompute the whole block;
 selective recompute (keep the outputs of the ops that are most expensive per byte, recompute
-the rest); recompute one child module; offload what the block saves. Each option's effect is the
+the rest); torch's op-SAC, torchtitan's alternating op-SAC and Megatron's selective recompute
+(planner.solver.policies); recompute one child module; offload what the block saves. Each option's effect is the
 change it makes to the simulated curve (`delta`, per op sample) and the peak of its own replay
 (recompute or reload) just before the block's backward; the solver adds these up exactly as
 :func:`planner.simulation.step.simulate` would.
@@ -27,19 +28,10 @@ from planner.simulation.effects import (
     reload_op,
     replay_events,
 )
+from planner.solver.policies import attention_core_choice, op_sac_alt_choice, op_sac_choice, saved_producers
 from planner.tracing.graph import OpGraph
 
-__all__ = ["BlockOption", "OptionEffect", "attention_core_choice", "block_options", "option_effect"]
-
-# Ops that make up the attention core (what Megatron's selective recomputation recomputes).
-_ATTENTION_CORE = ("scaled_dot_product", "flash_attention", "efficient_attention", "_softmax",
-                   "softmax", "bmm", "baddbmm", "dropout")
-
-
-# Matmul-class ops: a selective policy that caches all of them recomputes only cheap ops.
-_HEAVY_OPS = ("mm.", "addmm", "bmm", "baddbmm", "convolution", "scaled_dot_product", "flash_attention",
-              "efficient_attention", "linear")
-
+__all__ = ["BlockOption", "OptionEffect", "block_options", "option_effect"]
 
 @dataclass(frozen=True)
 class BlockOption:
@@ -124,15 +116,6 @@ def option_effect(graph: OpGraph, choice: SpanChoice, times: np.ndarray, device:
     return OptionEffect(lo, hi, delta, b, peak - regained, seconds, flops, 0)
 
 
-def _saved_producers(graph: OpGraph, span: ModuleSpan) -> dict[int, int]:
-    """Forward op -> bytes it would free if recomputed (its dropped outputs)."""
-    out: dict[int, int] = {}
-    for tid in dropped_tensors(graph, span):
-        op = graph.tensors[tid].alloc_op
-        out[op] = out.get(op, 0) + graph.tensors[tid].nbytes
-    return out
-
-
 def _child_spans(graph: OpGraph, path: str) -> list[ModuleSpan]:
     prefix = path + "."
     children = sorted({op.module[len(prefix):].split(".")[0] for op in graph.ops[: graph.backward_start]
@@ -151,7 +134,7 @@ def block_options(graph: OpGraph, span: ModuleSpan, times: np.ndarray, offload: 
     """Candidate options for one block (see module docstring)."""
     options = [BlockOption("keep", None), BlockOption("recompute", SpanChoice(span, "recompute"))]
     uncacheable = graph.uncacheable_ops()  # outputs mutated later: selective keeps recompute them
-    producers = {i: n for i, n in _saved_producers(graph, span).items() if i not in uncacheable}
+    producers = {i: n for i, n in saved_producers(graph, span).items() if i not in uncacheable}
     if len(producers) > 1:
         # Keep first what costs the most time per byte it would free (matmuls, attention).
         ranked = sorted(producers, key=lambda i: (-times[i] / max(producers[i], 1), i))
@@ -160,27 +143,15 @@ def block_options(graph: OpGraph, span: ModuleSpan, times: np.ndarray, offload: 
             if k >= len(ranked):
                 continue
             options.append(BlockOption(f"selective-{k}", SpanChoice(span, "recompute", frozenset(ranked[:k]))))
-        heavy = frozenset(i for i in range(span.fwd_start, span.fwd_end)
-                          if any(k in graph.ops[i].name for k in _HEAVY_OPS) and graph.ops[i].allocs
-                          and i not in uncacheable)
-        if heavy:
-            options.append(BlockOption("selective-matmuls", SpanChoice(span, "recompute", heavy)))
-        core = attention_core_choice(graph, span)
-        if core is not None and core.keep_ops:
-            options.append(BlockOption("selective-attention", core))
+    known = (("op-sac", op_sac_choice(graph, span)), ("op-sac-alt", op_sac_alt_choice(graph, span)),
+             ("megatron-selective", attention_core_choice(graph, span)))
+    for name, choice in known:  # the known policies (solver.policies), so the solver never loses to one
+        if choice is not None and choice.keep_ops:
+            options.append(BlockOption(name, choice))
     for child in _child_spans(graph, span.path):
-        if _saved_producers(graph, child):
+        if saved_producers(graph, child):
             options.append(BlockOption(f"recompute {child.path}", SpanChoice(child, "recompute")))
     if offload:
         options.append(BlockOption(f"offload-{offload}", SpanChoice(span, "offload", target=offload)))
     return options
 
-
-def attention_core_choice(graph: OpGraph, span: ModuleSpan) -> SpanChoice | None:
-    """Megatron-style selective recomputation: recompute only the attention core of a block."""
-    producers = _saved_producers(graph, span)
-    core = [i for i in producers if any(s in graph.ops[i].name for s in _ATTENTION_CORE)]
-    if not core:
-        return None
-    uncacheable = graph.uncacheable_ops()
-    return SpanChoice(span, "recompute", frozenset(i for i in producers if i not in core and i not in uncacheable))

@@ -17,7 +17,7 @@ from planner.tracing.graph import OpGraph
 
 __all__ = ["solve", "decisions_for", "StrategyRow", "compare_strategies", "BASELINES"]
 
-BASELINES = ("none", "full", "every-2", "sqrt", "selective")
+BASELINES = ("none", "full", "every-2", "sqrt", "op-sac", "op-sac-alt", "megatron-selective")
 
 
 def decisions_for(graph: OpGraph, choices: Sequence[SpanChoice]) -> tuple[Decision, ...]:

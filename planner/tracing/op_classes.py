@@ -49,8 +49,9 @@ ATTENTION_OPS = op_names(
     }
 )
 
-# What makes up the attention core of an unfused attention: QK^T and PV batched matmuls, softmax,
-# attention dropout. Megatron's selective recompute recomputes the core (see solver.policies).
+# The anchors of an attention core: fused attention, or the QK^T and PV batched matmuls and the
+# softmax of an unfused one. The core is the run of ops from the first anchor to the last (scale,
+# mask and attention dropout included): what Megatron's selective recompute recomputes.
 ATTENTION_CORE_OPS = ATTENTION_OPS | op_names(
     {
         aten.bmm.default,
@@ -58,8 +59,6 @@ ATTENTION_CORE_OPS = ATTENTION_OPS | op_names(
         aten._softmax.default,
         aten.softmax.int,
         aten._safe_softmax.default,
-        aten.native_dropout.default,
-        aten.dropout.default,
     }
 )
 
@@ -78,6 +77,4 @@ HEAVY_OPS = MATMUL_OPS | CONV_OPS | ATTENTION_OPS
 # torch's op-level SAC as torch.utils.checkpoint documents it and torchtitan's `_op_sac_save_list`:
 # save matmul, attention and convolution outputs (and torchtitan's reduce-scatter and amax), recompute
 # the rest.
-OP_SAC_SAVE_OPS = HEAVY_OPS | op_names(
-    {aten.max.default, torch.ops._c10d_functional.reduce_scatter_tensor.default}
-)
+OP_SAC_SAVE_OPS = HEAVY_OPS | op_names({aten.max.default, torch.ops._c10d_functional.reduce_scatter_tensor.default})
