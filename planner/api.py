@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -10,12 +11,15 @@ import torch
 
 from costmodels.memory import get_precision
 from planner.config import TrainConfig
+from planner.errors import InfeasibleBudget
 from planner.plans.format import Plan, PlanLadder, load_plan
+from planner.runtime.dryrun import dry_run, planned_errors
 from planner.runtime.verify import Measurement, measure_step
 from planner.simulation.step import Timeline, simulate
 from planner.tracing.hf import disable_kv_cache
 from planner.tracing.recorder import trace
 from planner.tracing.specs import resolve_spec
+from planner.units import format_bytes
 
 __all__ = ["simulate_model", "VerifyResult", "verify_model", "plan_for_config", "trace_for", "plan_model",
            "check_plan_for_spec"]
@@ -76,7 +80,8 @@ def verify_model(spec: str, config: TrainConfig, plan: Plan | PlanLadder | str |
     disable_kv_cache(model)  # as the trace and an applied plan run it
     handle = apply_plan(model, plan) if plan is not None else None
     try:
-        measured: Measurement = measure_step(model, inputs, config)
+        with planned_errors(plan) if plan is not None else nullcontext():
+            measured: Measurement = measure_step(model, inputs, config)
     finally:
         if handle is not None:
             handle.remove()
@@ -98,14 +103,35 @@ def plan_model(spec: str, config: TrainConfig, budget_bytes: int, *, strategy: s
     from planner.solver.planning import compare_strategies, solve
 
     graph = trace_for(spec, config)
+    if not graph.regions:
+        _check_without_blocks(graph, config, budget_bytes)
     plan = solve(graph, config, budget_bytes, strategy=strategy, offload=offload, keep=keep,
                  recompute=recompute, time_limit_s=time_limit_s)
     rows = compare_strategies(graph, config, budget_bytes)
     return plan, rows, plan.predicted.baseline_peak_bytes
 
 
+def _check_without_blocks(graph, config: TrainConfig, budget_bytes: int) -> None:
+    """A model without blocks cannot lower its peak: say what would make it plannable."""
+    peak = simulate(graph, config).peak_bytes
+    if budget_bytes >= peak:
+        return
+    paths = sorted({op.module for op in graph.ops[: graph.backward_start] if op.module})
+    nested = [p.split(".")[0] for p in paths if "." in p]
+    example = f"{nested[0]}.*" if nested else (paths[0] if paths else "layer*")
+    raise InfeasibleBudget(
+        f"budget {format_bytes(budget_bytes)} is below the no-plan peak {format_bytes(peak)} and memplan "
+        "found no blocks to recompute or offload in this model (it looks for the children of "
+        "nn.ModuleList/Sequential/ModuleDict and for repeated submodules of the same structure); name "
+        f"them with --blocks GLOB (module paths, e.g. --blocks '{example}'), or cut model states "
+        "(--precision bf16-mixed, --optimizer adamw-8bit, --zero 3 --dp N)",
+        smallest_peak_bytes=peak,
+    )
+
+
 def check_plan_for_spec(spec: str, config: TrainConfig, plan_path: str) -> str:
-    """Build the model on the meta device, check the plan matches it, describe what it wraps."""
+    """Build the model on the meta device, check the plan matches it, run it once on fake
+    tensors (a plan that would fail is refused naming the module), describe what it wraps."""
     from planner.plans.format import check_plan_matches
 
     plan = load_plan(plan_path)
@@ -117,6 +143,7 @@ def check_plan_for_spec(spec: str, config: TrainConfig, plan_path: str) -> str:
         if get_precision(p.config["precision"]).param_dtype != torch.float32:
             model.to(get_precision(p.config["precision"]).param_dtype)
         check_plan_matches(p, model)
+        dry_run(resolve_spec(spec), config.with_(seq_len=int(p.config["seq_len"])), p)
         kinds = Counter(d.action if d.op is None else f"{d.action} op" for d in p.decisions)
         lines.append(f"seq {p.config['seq_len']}: {p.strategy} plan matches {spec}; "
                      + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))

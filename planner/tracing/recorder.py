@@ -14,15 +14,13 @@ from __future__ import annotations
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses import FakeTensorMode
 from torch.distributed._tools.mod_tracker import ModTracker
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -35,14 +33,12 @@ from planner.tracing.blocks import (
     module_signature,
     segment_children,
 )
+from planner.tracing.fake_build import fake_model
 from planner.tracing.fingerprint import model_fingerprint
 from planner.tracing.graph import OpGraph, OpNode, Region, TensorInfo
-from planner.tracing.hf import disable_kv_cache, eager_transformers, skip_init
-from planner.tracing.moe import RoutingAssumption
-from planner.tracing.shadow import ShadowMode
 from planner.tracing.specs import ModelSpec, resolve_spec
 
-__all__ = ["TraceError", "trace", "trace_model", "loss_of", "run_step_inputs"]
+__all__ = ["TraceError", "cast_parameters", "forward_context", "loss_of", "run_step_inputs", "trace", "trace_model"]
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -204,7 +200,7 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def _forward_context(precision: str) -> Any:
+def forward_context(precision: str) -> Any:
     autocast_dtype = get_precision(precision).autocast_dtype
     if autocast_dtype is None:
         return nullcontext()
@@ -230,7 +226,7 @@ def _run(model, inputs, rec: _Recorder, precision: str, spec_name: str,
     (which a training loop holds through the optimizer step)."""
     try:
         with rec.tracker, rec, torch.autograd.graph.saved_tensors_hooks(*saved_hooks):
-            with _forward_context(precision):
+            with forward_context(precision):
                 loss = loss_of(run_step_inputs(model, inputs))
             backward_start = len(rec.ops)
             if backward:
@@ -415,7 +411,7 @@ def _drop_parameter_saves(tensors: dict[int, TensorInfo]) -> None:
             tensors[tid] = TensorInfo(**{**t.__dict__, "saved_by": ()})
 
 
-def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
     """model.to(dtype) for floating parameters and buffers; works on fake tensors, where
     Module.to cannot swap parameter tensors."""
     for module in model.modules():
@@ -447,17 +443,9 @@ def trace(spec: str | ModelSpec, *, batch_size: int = 1, seq_len: int = 512,
     param_dtype, traced_precision = prec.param_dtype, precision
     if gathered_params and prec.autocast_dtype is not None:
         param_dtype, traced_precision = prec.autocast_dtype, "fp32"
-    with ExitStack() as stack:
-        fake_mode = stack.enter_context(FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True))
-        routing = RoutingAssumption(moe_imbalance)
-        stack.enter_context(ShadowMode(fake_mode, route=routing))
-        with skip_init():
-            model, inputs = model_spec.build(batch_size=batch_size, seq_len=seq_len)
-        stack.enter_context(eager_transformers())
-        disable_kv_cache(model)
+    with fake_model(model_spec, batch_size, seq_len, moe_imbalance) as (model, inputs, routing):
         if param_dtype != torch.float32:
-            _cast_parameters(model, param_dtype)
-        model.train()
+            cast_parameters(model, param_dtype)
         graph = trace_model(model, inputs, precision=traced_precision, name=model_spec.name,
                             lifetimes=lifetimes, blocks=blocks)
         graph.meta["precision"] = precision

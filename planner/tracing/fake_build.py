@@ -1,0 +1,43 @@
+"""Build a model spec on fake CPU tensors so that it runs the path its eager run takes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+from torch import nn
+from torch._subclasses import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from planner.tracing.hf import disable_kv_cache, eager_transformers, skip_init
+from planner.tracing.moe import RoutingAssumption
+from planner.tracing.shadow import ShadowMode
+from planner.tracing.specs import ModelSpec
+
+__all__ = ["fake_model"]
+
+
+@contextmanager
+def fake_model(
+    spec: ModelSpec, batch_size: int, seq_len: int, moe_imbalance: float = 1.0
+) -> Iterator[tuple[nn.Module, Any, RoutingAssumption]]:
+    """(model, inputs, routing) built on fake tensors, in train mode; valid inside the block.
+
+    The model builds without weight init (it does not change memory, and some init loops on
+    data). Inside the block small integer/bool tensors keep real values that answer
+    data-dependent checks, transformers is not told it is tracing, mixture-of-experts routing
+    follows `moe_imbalance` (1.0: balanced), and the key/value cache is off, as in training.
+    """
+    with ExitStack() as stack:
+        fake_mode = stack.enter_context(
+            FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+        )
+        routing = RoutingAssumption(moe_imbalance)
+        stack.enter_context(ShadowMode(fake_mode, route=routing))
+        with skip_init():
+            model, inputs = spec.build(batch_size=batch_size, seq_len=seq_len)
+        stack.enter_context(eager_transformers())
+        disable_kv_cache(model)
+        model.train()
+        yield model, inputs, routing
