@@ -13,11 +13,20 @@ and H100/H200 NVLink4 900 GB/s bidirectional per GPU, so 300 and 450 GB/s; MI300
 between nodes (one InfiniBand NIC per GPU: HDR 200 Gb/s = 25 GB/s on DGX A100, NDR 400 Gb/s =
 50 GB/s on DGX H100/H200 and MI300X platforms; 100 Gb/s Ethernet = 12.5 GB/s for L40S servers).
 The cpu entry stands for gloo over shared memory on one host.
+
+A *device profile* (``memplan calibrate``) is a JSON file with a measured :class:`DeviceSpec`:
+``{"format": "memplan-device-profile/1", "device": {DeviceSpec fields}, "measured": {...}}``.
+Its rates are stored as peaks, i.e. the measured achieved rate divided by the runtime model's
+efficiency, so that the roofline predicts the measured rate back. Wherever a device name is
+accepted, a path to such a file is too (:func:`get_device`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import json
+from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 GiB = 1024**3
@@ -39,6 +48,7 @@ class DeviceSpec:
     interconnect_bytes_per_s: float = 10e9
     network_bytes_per_s: float = 12.5e9
     gpus_per_node: int = 8
+    attention_flops: float = 0.0  # fused attention's peak rate in the compute dtype; 0: the matmul rate
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,9 +72,51 @@ DEVICES: dict[str, DeviceSpec] = {
 }
 
 
+PROFILE_FORMAT = "memplan-device-profile/1"
+
+
+def is_profile_path(name: str) -> bool:
+    """Whether a device name is a path to a device profile rather than a preset name."""
+    return isinstance(name, str) and (name.endswith(".json") or "/" in name)
+
+
+def profile_dict(device: DeviceSpec, measured: dict[str, float]) -> dict[str, Any]:
+    """The JSON content of a device profile."""
+    return {"format": PROFILE_FORMAT, "device": device.to_dict(), "measured": dict(measured)}
+
+
+@lru_cache(maxsize=32)
+def _load_profile(path: str, mtime_ns: int) -> DeviceSpec:
+    try:
+        data = json.loads(Path(path).read_text())
+        if data.get("format") != PROFILE_FORMAT:
+            raise KeyError("format")
+        known = {f.name for f in fields(DeviceSpec)}
+        spec = DeviceSpec(**{k: v for k, v in data["device"].items() if k in known})
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path} is not a memplan device profile ({exc}); write one with memplan calibrate "
+                         "--out FILE") from None
+    if min(spec.bf16_flops, spec.fp32_flops, spec.hbm_bytes_per_s, spec.host_link_bytes_per_s,
+           spec.disk_bytes_per_s, spec.memory_bytes) <= 0:
+        raise ValueError(f"device profile {path} has a non-positive rate or capacity; re-run memplan calibrate")
+    return spec
+
+
+def load_device_profile(path: str | Path) -> DeviceSpec:
+    """The DeviceSpec of a device profile file (ValueError with what to do when it is not one)."""
+    p = Path(path)
+    try:
+        mtime = p.stat().st_mtime_ns
+    except OSError:
+        raise ValueError(f"device profile {path} does not exist; write one with memplan calibrate --out FILE") from None
+    return _load_profile(str(p.resolve()), mtime)
+
+
 def get_device(name: str) -> DeviceSpec:
-    """Look up a device by name, case-insensitively."""
+    """Look up a device by name, case-insensitively, or load a device profile from a JSON path."""
+    if is_profile_path(name):
+        return load_device_profile(name)
     key = name.strip().lower() if isinstance(name, str) else name
     if key not in DEVICES:
-        raise ValueError(f"unknown gpu {name!r}; choose one of: {', '.join(DEVICES)}")
+        raise ValueError(f"unknown gpu {name!r}; choose one of: {', '.join(DEVICES)}, or a device profile .json")
     return DEVICES[key]

@@ -34,6 +34,8 @@ def add_model_options(p: argparse.ArgumentParser, sweep: bool = True, default_gp
                    help="sequence length" + (" (a comma list: a sweep for simulate/verify, one plan per "
                                              "bucket for plan)" if sweep else ""))
     p.add_argument("--gpu", default=default_gpu, help="target device: " + ", ".join(DEVICES))
+    p.add_argument("--device-profile", dest="gpu", default=argparse.SUPPRESS, metavar="FILE",
+                   help="target device from a profile JSON that memplan calibrate wrote (instead of --gpu)")
     p.add_argument("--precision", default="fp32", help="one of: " + ", ".join(PRECISIONS))
     p.add_argument("--optimizer", default="adamw", help="one of: " + ", ".join(OPTIMIZERS))
     p.add_argument("--zero", type=int, default=0, dest="zero_stage", help="ZeRO stage 0-3 (3 = FSDP full shard)")

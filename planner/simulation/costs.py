@@ -12,6 +12,7 @@ from costmodels.memory import ModelStates, get_precision, model_state_bytes
 from costmodels.runtime import op_time_s
 from planner.config import TrainConfig
 from planner.tracing.graph import OpGraph
+from planner.tracing.op_classes import ATTENTION_BACKWARD_OPS, ATTENTION_OPS
 
 __all__ = ["StepCosts", "op_times", "category_scale", "model_states_for"]
 
@@ -45,7 +46,8 @@ def op_times(graph: OpGraph, device: DeviceSpec) -> np.ndarray:
     for op in graph.ops:
         if op.flops == 0 and not op.allocs:
             continue
-        out[op.index] = op_time_s(op.flops, op.bytes_accessed, _DTYPES.get(op.dtype, torch.float32), device)
+        out[op.index] = op_time_s(op.flops, op.bytes_accessed, _DTYPES.get(op.dtype, torch.float32), device,
+                                  attention=op.name in ATTENTION_OPS or op.name in ATTENTION_BACKWARD_OPS)
     return out
 
 

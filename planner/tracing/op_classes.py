@@ -13,6 +13,7 @@ import torch
 from torch._ops import OpOverload
 
 __all__ = [
+    "ATTENTION_BACKWARD_OPS",
     "ATTENTION_CORE_OPS",
     "ATTENTION_OPS",
     "CONV_OPS",
@@ -46,6 +47,19 @@ ATTENTION_OPS = op_names(
         aten._scaled_dot_product_fused_attention_overrideable.default,
         aten._flash_attention_forward.default,
         aten._efficient_attention_forward.default,
+    }
+)
+
+# Their backward kernels (priced at the attention rate of a calibrated device, like the forward).
+ATTENTION_BACKWARD_OPS = op_names(
+    {
+        aten._scaled_dot_product_flash_attention_backward.default,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        aten._scaled_dot_product_efficient_attention_backward.default,
+        aten._scaled_dot_product_cudnn_attention_backward.default,
+        aten._scaled_dot_product_fused_attention_overrideable_backward.default,
+        aten._flash_attention_backward.default,
+        aten._efficient_attention_backward.default,
     }
 )
 
