@@ -20,6 +20,8 @@ from typing import Any, Literal, Mapping, Union
 import jsonschema
 import jsonschema.exceptions
 
+from planner.errors import PlanFileError
+from planner.safe_io import JSON_MAX_BYTES, clean, loads_json, read_bounded, write_text
 from planner.tracing.fingerprint import (
     is_segment_of,
     model_fingerprint,
@@ -390,11 +392,7 @@ def _wrap(label: str, build: Any, d: Mapping[str, Any]) -> Any:
 
 
 def _save(d: dict[str, Any], path: PathLike) -> None:
-    text = json.dumps(d, indent=2, sort_keys=True, allow_nan=False) + "\n"
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    write_text(path, json.dumps(d, indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
 def load_plan(path_or_dict: PathLike | Mapping[str, Any]) -> Plan | PlanLadder:
@@ -404,21 +402,15 @@ def load_plan(path_or_dict: PathLike | Mapping[str, Any]) -> Plan | PlanLadder:
         label = "plan"
     else:
         path = Path(path_or_dict)
-        label = f"plan file {path}"
+        label = f"plan file {clean(path)}"
         try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            raise ValueError(f"{label} not found; check the path or create it with memplan plan") from None
-        except IsADirectoryError:
-            raise ValueError(f"{label} is a directory; pass the plan's .json file") from None
-        try:
-            d = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{label} is not valid UTF-8 JSON (byte {e.start}); "
-                             "re-export it with memplan plan") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{label} is not valid JSON (line {e.lineno}, column {e.colno}): "
-                             f"{e.msg}; re-export it with memplan plan") from None
+            raw = read_bounded(path, JSON_MAX_BYTES, "plan file")
+        except ValueError as e:
+            raise PlanFileError(str(e)) from None
+        try:  # bounded depth and numbers; duplicate keys refused
+            d = loads_json(raw, label)
+        except ValueError as e:
+            raise PlanFileError(f"{e}; re-export it with memplan plan") from None
     kind = _validate(d, label)
     return _wrap(label, _plan_from_valid if kind == "plan" else _ladder_from_valid, d)
 
