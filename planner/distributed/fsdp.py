@@ -1,0 +1,241 @@
+"""FSDP2's own memory per rank: all-gather buffers, unsharded parameters and gradients, reduce-scatter buffers.
+
+Follows ``torch.distributed.fsdp.fully_shard`` (torch 2.13, ``_fully_shard/_fsdp_param_group.py``,
+``_fsdp_state.py``, ``_fsdp_collectives.py``) with one FSDP unit per block (``graph.regions``) and
+the root holding every other parameter, the order torchtitan applies it. Per unit of padded
+unsharded bytes P (dim 0 padded to a multiple of dp, in the all-gather dtype) and dp ranks:
+
+- forward: a unit's pre-forward all-gathers into a P-byte output, then frees the *previous* unit's
+  output and copies out into the unsharded parameters (P); the output stays held until the next
+  unit's copy-out (the last one until the root's forward ends, so it is live at the loss). The
+  root gathers first and is never resharded after forward. Post-forward frees the unsharded
+  parameters (`reshard_after_forward=True`), keeps them (False) or keeps a P/N shard (an int N);
+- backward: the root's pre-backward prefetches the last block's all-gather; each block's
+  pre-backward copies out its own and prefetches the block before it, so one more output is live
+  throughout a block's backward;
+- a block's post-backward frees its unsharded parameters and the previous reduce-scatter input,
+  copies its unsharded gradients into a new input (P in the reduce dtype), frees them and
+  allocates the output (P / dp), which becomes the sharded gradients (cast to the parameter dtype
+  when the reduce dtype differs). The input is held until the next unit's reduce; the root's
+  gradients stay unsharded until the end of backward and its buffers go with it;
+- mixed precision (``MixedPrecisionPolicy.param_dtype``) casts each shard into a P / dp temporary
+  before the all-gather; ``CPUOffloadPolicy`` copies each shard to the device (P / dp) instead and
+  sends the sharded gradients to the host.
+
+Everything else (sharded parameters, gradients as the step produces them, optimizer states,
+activations) the simulator counts from the trace; this module returns only the difference FSDP2
+makes, as extra bytes per op. Gloo/NCCL internal workspaces are not tensors and are left out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+from costmodels.memory import get_precision
+from planner.config import TrainConfig
+from planner.tracing.graph import OpGraph
+
+__all__ = ["FsdpUnit", "fsdp_units", "fsdp_buffers"]
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class FsdpUnit:
+    """One ``fully_shard`` unit: its module path ("" for the root) and op ranges.
+
+    `param_bytes` is the unsharded size with dim 0 padded to a multiple of dp, in the traced
+    (all-gather) dtype; the root's ranges cover the whole forward and backward.
+    """
+
+    path: str
+    param_bytes: int
+    fwd_start: int
+    fwd_end: int
+    bwd_start: int
+    bwd_end: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def padded_bytes(shape: tuple[int, ...], itemsize: int, dp: int) -> int:
+    """Bytes of a parameter after FSDP2 pads dim 0 to a multiple of dp (``_get_dim0_padded_size``)."""
+    if not shape:
+        return itemsize * dp
+    return math.ceil(shape[0] / dp) * dp * math.prod(shape[1:]) * itemsize
+
+
+def fsdp_units(graph: OpGraph, dp: int) -> list[FsdpUnit]:
+    """The blocks in forward order, then the root; a parameter belongs to the first block that reads it."""
+    params = {t.id: t for t in graph.preexisting() if t.category == "parameter"}
+    blocks = sorted(graph.regions, key=lambda r: r.fwd_start)
+    owner: dict[int, int] = {}
+    for k, r in enumerate(blocks):
+        for op in graph.ops[r.fwd_start : r.fwd_end]:
+            for tid in op.inputs:
+                if tid in params:
+                    owner.setdefault(tid, k)
+    sizes = [0] * (len(blocks) + 1)
+    for tid, t in params.items():
+        itemsize = _DTYPE_BYTES.get(t.dtype, t.nbytes // max(1, math.prod(t.shape)))
+        sizes[owner.get(tid, len(blocks))] += padded_bytes(t.shape, itemsize, dp)
+    units = [FsdpUnit(r.path, sizes[k], r.fwd_start, r.fwd_end, r.bwd_start, r.bwd_end) for k, r in enumerate(blocks)]
+    units.append(FsdpUnit("", sizes[-1], 0, graph.backward_start, graph.backward_start, len(graph.ops)))
+    return units
+
+
+class _State:
+    """FSDP2's buffers at one instant; `instants` collects the totals seen while one op runs."""
+
+    def __init__(self, units: list[FsdpUnit], dp: int, keep_after_forward: int) -> None:
+        self.units, self.dp, self.keep_after_forward = units, dp, keep_after_forward
+        self.unsharded: set[int] = set()
+        self.post_forward: set[int] = set()  # units holding a P/N shard between forward and backward
+        self.gathered: dict[int, int] = {}  # unit -> all-gather output bytes
+        self.held: int | None = None  # forward's previous all-gather output
+        self.reduce_input = 0
+        self.grads = defaultdict(int)  # unit -> unsharded gradient bytes beyond what the simulator counts
+        self.instants: list[dict[str, int]] = []
+
+    def snap(self, parameter: int = 0, gradient: int = 0) -> None:
+        param = sum(self.units[u].param_bytes for u in self.unsharded) + sum(self.gathered.values())
+        param += sum(self.units[u].param_bytes // self.keep_after_forward for u in self.post_forward)
+        grad = sum(self.grads.values()) + self.reduce_input
+        self.instants.append({"parameter": param + parameter, "gradient": grad + gradient})
+
+    def unshard(self, u: int, copy_in_bytes: int) -> None:
+        if u in self.unsharded or u in self.gathered:
+            return
+        self.post_forward.discard(u)
+        self.gathered[u] = self.units[u].param_bytes
+        if copy_in_bytes:
+            self.snap(parameter=self.units[u].param_bytes // self.dp)
+        self.snap()
+
+    def copy_out(self, u: int, forward: bool) -> None:
+        if u not in self.gathered:
+            return
+        if forward and self.held is not None:
+            del self.gathered[self.held]
+            self.held = None
+        self.unsharded.add(u)
+        self.snap()
+        if forward:
+            self.held = u
+        else:
+            del self.gathered[u]
+
+    def end_forward(self) -> None:
+        if self.held is not None:
+            del self.gathered[self.held]
+            self.held = None
+        self.snap()
+
+    def reshard_after_forward(self, u: int) -> None:
+        if self.keep_after_forward == 1:
+            return
+        self.unsharded.discard(u)
+        if self.keep_after_forward < self.dp:
+            self.post_forward.add(u)
+        self.snap()
+
+    def reduce(self, u: int, reduce_bytes: int, staged_output_bytes: int) -> None:
+        """Post-backward: reshard, free the previous input, copy the gradients in and free them,
+        reduce-scatter into the output. The simulator already counts the sharded gradients; an
+        output in another dtype than theirs, or bound for the host, is extra while it lives."""
+        self.unsharded.discard(u)
+        self.reduce_input = reduce_bytes
+        self.snap()
+        self.grads[u] = 0
+        self.snap(gradient=staged_output_bytes)
+
+
+def _events(units: list[FsdpUnit]) -> tuple[dict[int, list], dict[int, list]]:
+    before: dict[int, list[tuple[str, int]]] = defaultdict(list)
+    after: dict[int, list[tuple[str, int]]] = defaultdict(list)
+    for k, u in enumerate(units[:-1]):
+        before[u.fwd_start].append(("forward", k))
+        after[u.fwd_end - 1].append(("forward", k))
+        before[u.bwd_start].append(("backward", k))
+        after[u.bwd_end - 1].append(("backward", k))
+    return before, after
+
+
+def fsdp_buffers(graph: OpGraph, config: TrainConfig, gradient_scale: float) -> dict[int, dict[str, int]]:
+    """Op index -> extra per-rank bytes FSDP2 holds at that op (its highest instant there).
+
+    `gradient_scale` is the simulator's per-rank bytes of each traced gradient byte (the sharded
+    gradient it counts from the op that produces it); until the unit's reduce-scatter the
+    difference to the unsharded gradient is added here.
+    """
+    dp = config.dp
+    if dp == 1 or config.zero_stage < 3:
+        return {}
+    units = fsdp_units(graph, dp)
+    root = len(units) - 1
+    raf = config.reshard_after_forward
+    keep = dp if raf is True else 1 if raf is False else int(raf)
+    state = _State(units, dp, keep)
+    traced_itemsize = _DTYPE_BYTES.get(graph.param_dtype, 4)
+    master_itemsize = get_precision(config.precision).param_dtype.itemsize
+    copy_in = traced_itemsize != master_itemsize or config.cpu_offload
+    reduce_itemsize = _DTYPE_BYTES[config.mp_reduce_dtype] if config.mp_reduce_dtype else traced_itemsize
+
+    grad_owner = _gradient_owners(graph, units)
+    before, after = _events(units)
+    last_block = root - 1
+    out: dict[int, dict[str, int]] = {}
+    for op in graph.ops:
+        i = op.index
+        state.instants = []
+        if i == 0:
+            state.unshard(root, copy_in)
+            state.copy_out(root, forward=True)
+        if i == graph.backward_start and last_block >= 0:
+            state.unshard(last_block, copy_in)
+        for kind, k in before.get(i, ()):
+            state.unshard(k, copy_in)
+            state.copy_out(k, forward=kind == "forward")
+            if kind == "backward" and k > 0:
+                state.unshard(k - 1, copy_in)
+        for tid in op.allocs:
+            if tid in grad_owner:
+                state.grads[grad_owner[tid]] += int(graph.tensors[tid].nbytes * (1.0 - gradient_scale))
+        state.snap()
+        for kind, k in after.get(i, ()):
+            if kind == "forward" and k != root:
+                state.reshard_after_forward(k)
+            else:
+                _reduce(state, k, reduce_itemsize, traced_itemsize, master_itemsize, config.cpu_offload)
+        if i == graph.backward_start - 1:
+            state.end_forward()
+        if i == len(graph.ops) - 1:
+            _reduce(state, root, reduce_itemsize, traced_itemsize, master_itemsize, config.cpu_offload)
+            state.reduce_input = 0
+            state.snap()
+        out[i] = max(state.instants, key=lambda d: d["parameter"] + d["gradient"])
+    return out
+
+
+def _reduce(
+    state: _State, u: int, reduce_itemsize: int, traced_itemsize: int, master_itemsize: int, to_host: bool
+) -> None:
+    """Reduce-scatter in the reduce dtype; the sharded gradients take the master weights' dtype."""
+    reduce_bytes = state.units[u].param_bytes * reduce_itemsize // traced_itemsize
+    staged = reduce_bytes // state.dp if (to_host or reduce_itemsize != master_itemsize) else 0
+    state.reduce(u, reduce_bytes, staged)
+
+
+def _gradient_owners(graph: OpGraph, units: Iterable[FsdpUnit]) -> dict[int, int]:
+    """Gradient storage -> the unit whose backward produced it (the root for the rest)."""
+    units = list(units)
+    root = len(units) - 1
+    owners = {}
+    for t in graph.tensors.values():
+        if t.category == "gradient" and t.alloc_op >= 0:
+            owners[t.id] = next((k for k, u in enumerate(units[:-1]) if u.bwd_start <= t.alloc_op < u.bwd_end), root)
+    return owners
