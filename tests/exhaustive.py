@@ -18,10 +18,13 @@ def exhaustive_solve(graph: OpGraph, config: TrainConfig, budget_bytes: int, off
     p = _problem(graph, config, offload, set(), set(), times)
     best: tuple[float, list[str]] | None = None
     for combo in itertools.product(*[range(len(o)) for o in p.options]):
+        # recompute and load seconds: a lower bound on the added time (an offload's store may stall)
         cost = sum(0.0 if p.effects[r][k] is None else p.effects[r][k].cost_s for r, k in enumerate(combo))
         if best is not None and cost >= best[0]:
             continue
         choices = [p.options[r][k].choice for r, k in enumerate(combo) if p.options[r][k].choice is not None]
-        if simulate(graph, config, choices=choices).peak_bytes <= budget_bytes:
-            best = (cost, [p.options[r][k].name for r, k in enumerate(combo)])
+        timeline = simulate(graph, config, choices=choices)
+        added_s = timeline.costs.recompute_s + timeline.costs.exposed_offload_s
+        if timeline.peak_bytes <= budget_bytes and (best is None or added_s < best[0]):
+            best = (added_s, [p.options[r][k].name for r, k in enumerate(combo)])
     return best

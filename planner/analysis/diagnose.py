@@ -9,14 +9,16 @@ and the list is ranked: remedies that fit first, then by added step time.
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterator
+from typing import Any
 
 from costmodels.allocator import AllocatorEstimate, simulate_allocator
 from costmodels.hardware import get_device
 from planner.config import TrainConfig
-from planner.simulation.costs import category_scale, model_states_for
-from planner.simulation.step import Timeline, simulate
+from planner.simulation.costs import model_states_for, storage_bytes
+from planner.simulation.step import Timeline, simulate, step_events
 from planner.tracing.graph import OpGraph
 
 __all__ = ["Remedy", "Diagnosis", "diagnose", "diagnose_snapshot", "diagnose_oom_message",
@@ -76,47 +78,35 @@ class Diagnosis:
 
 # -- allocator estimate -------------------------------------------------------------------------
 def allocator_events(graph: OpGraph, config: TrainConfig) -> Iterator[tuple[int, int]]:
-    """(id, nbytes) events of the no-plan step as the simulator scales it (0 bytes frees).
+    """(id, nbytes) events of the no-plan step as the simulator runs it (0 bytes frees).
 
     Parameters, buffers and inputs exist first, then one optimizer-state block per parameter
-    (the per-device optimizer bytes split in proportion to parameter size); each storage is
-    allocated by its op and freed where the trace freed it; the optimizer step's temporary is
-    allocated and freed at the end.
+    (the per-device optimizer bytes split in proportion to parameter size); then the simulator's
+    own event stream (:func:`planner.simulation.step.step_events`); the optimizer step's temporary
+    is allocated and freed at the end.
     """
-    scale = category_scale(graph, config)
+    sizes = storage_bytes(graph, config)
     states = model_states_for(graph, config)
-
-    def nbytes_of(tid: int) -> int:
-        t = graph.tensors[tid]
-        return max(1, int(t.nbytes * scale.get(t.category, 1.0)))
-
-    pre = list(graph.preexisting())
-    param_ids = [t.id for t in pre if t.category == "parameter"]
-    param_total = sum(graph.tensors[i].nbytes for i in param_ids)
+    slots = step_events(graph, sizes)
+    params = [ev.storage for ev in slots[0] if ev.category == "parameter"]
+    param_total = sum(graph.tensors[i].nbytes for i in params)
     next_id = max(graph.tensors, default=0) + 1
-    for t in pre:
-        yield t.id, nbytes_of(t.id)
-    if states.optimizer and param_total:
-        for tid in param_ids:
-            share = states.optimizer * graph.tensors[tid].nbytes // param_total
-            if share > 0:
-                yield next_id, share
-                next_id += 1
-    frees = graph.frees_by_op()
-    live: set[int] = {t.id for t in pre}
-    for op in graph.ops:
-        for tid in frees.get(op.index, ()):
-            if tid in live:
-                live.discard(tid)
-                yield tid, 0
-        for tid in op.allocs:
-            if tid not in live:
-                live.add(tid)
-                yield tid, nbytes_of(tid)
-    for tid in frees.get(len(graph.ops), ()):
-        if tid in live:
-            live.discard(tid)
-            yield tid, 0
+    live: dict[int, list[int]] = defaultdict(list)  # storage -> allocator ids of its live copies
+    for slot_index, slot in enumerate(slots):
+        for ev in slot:
+            if ev.nbytes > 0:
+                block = ev.storage if not live[ev.storage] else next_id
+                next_id += block != ev.storage
+                live[ev.storage].append(block)
+                yield block, max(1, ev.nbytes)
+            elif ev.nbytes < 0 and live[ev.storage]:
+                yield live[ev.storage].pop(), 0
+        if slot_index == 0 and states.optimizer and param_total:
+            for tid in params:
+                share = states.optimizer * graph.tensors[tid].nbytes // param_total
+                if share > 0:
+                    yield next_id, share
+                    next_id += 1
     if states.optimizer_step_temporary:
         yield next_id, states.optimizer_step_temporary
         yield next_id, 0

@@ -14,7 +14,7 @@ from planner.config import TrainConfig
 from planner.tracing.graph import OpGraph
 from planner.tracing.op_classes import ATTENTION_BACKWARD_OPS, ATTENTION_OPS
 
-__all__ = ["StepCosts", "op_times", "category_scale", "model_states_for"]
+__all__ = ["StepCosts", "category_scale", "model_states_for", "op_times", "storage_bytes"]
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
@@ -64,6 +64,13 @@ def category_scale(graph: OpGraph, config: TrainConfig) -> dict[str, float]:
             traced["gradient"] += t.nbytes
     want = {"parameter": states.parameter, "gradient": states.gradient}
     return {c: want[c] / traced[c] if traced[c] else 1.0 for c in traced}
+
+
+def storage_bytes(graph: OpGraph, config: TrainConfig) -> dict[int, int]:
+    """Per-device bytes of every storage of the step: its traced bytes times its category's scale
+    (the one place bytes are scaled; the simulator, the solver and diagnose read it)."""
+    scale = category_scale(graph, config)
+    return {t.id: int(t.nbytes * scale.get(t.category, 1.0)) for t in graph.tensors.values()}
 
 
 def model_states_for(graph: OpGraph, config: TrainConfig) -> ModelStates:

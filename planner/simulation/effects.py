@@ -1,22 +1,50 @@
-"""What a plan does to a traced step: which module spans are recomputed or offloaded, and which
-storages that frees.
+"""What a plan does to a traced step: the one description of a choice's events on the memory curve.
+
+A :class:`SpanChoice` recomputes or offloads what a module span saves. :func:`choice_effect` lists,
+for one choice, every event it puts on the curve with per-device bytes: where a dropped storage
+leaves, its re-creation by the recompute's replay (or its reload after an offload), where it dies
+again (or that it lives on past the step), and the span's traffic on the one transfer link. The
+simulator (:mod:`planner.simulation.step`), the solver's per-option effects
+(:mod:`planner.solver.options`) and the allocator replay of diagnose all read these events.
 
 A plan names modules by path and ops by `aten.name.overload#k` (the k-th call of that op in the
-module's forward). This module resolves those names against an :class:`OpGraph` into
-:class:`SpanChoice` objects the simulator and the solver share.
+module's forward); this module resolves those names against an :class:`OpGraph`.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import NamedTuple
 
+import numpy as np
+
+from costmodels.hardware import DeviceSpec
+from costmodels.runtime import transfer_time_s
 from planner.tracing.graph import OpGraph
 
-__all__ = ["SpanChoice", "ModuleSpan", "module_span", "op_keys", "dropped_tensors", "choices_from_decisions",
-           "recompute_ops", "recompute_stop", "cached_outputs", "natural_free_in_span", "replay_events", "dropped_from", "recompute_cost",
-           "reload_op"]
+__all__ = [
+    "SpanChoice",
+    "ModuleSpan",
+    "module_span",
+    "op_keys",
+    "dropped_tensors",
+    "choices_from_decisions",
+    "recompute_ops",
+    "recompute_stop",
+    "Event",
+    "FREE",
+    "RELOAD",
+    "REPLAY",
+    "ALLOC",
+    "SAMPLE",
+    "Transfer",
+    "ChoiceEffect",
+    "storage_events",
+    "choice_effect",
+    "exposed_transfer_s",
+]
 
 
 @dataclass(frozen=True)
@@ -53,8 +81,10 @@ def module_span(graph: OpGraph, path: str) -> ModuleSpan:
     fwd = [i for i in ops if i < graph.backward_start]
     bwd = [i for i in ops if i >= graph.backward_start]
     if not fwd or not bwd:
-        raise ValueError(f"module '{path}' runs no forward and backward ops in the traced step; "
-                         "choose a module path that the model's forward uses")
+        raise ValueError(
+            f"module '{path}' runs no forward and backward ops in the traced step; "
+            "choose a module path that the model's forward uses"
+        )
     return ModuleSpan(path, min(fwd), max(fwd) + 1, min(bwd), max(bwd) + 1)
 
 
@@ -114,8 +144,10 @@ def choices_from_decisions(graph: OpGraph, decisions: Sequence) -> list[SpanChoi
             if d.op is None:
                 continue
             if d.op not in keys:
-                raise ValueError(f"plan names op '{d.op}' in module '{path}', which does not run it; "
-                                 "re-plan with memplan plan for this model and configuration")
+                raise ValueError(
+                    f"plan names op '{d.op}' in module '{path}', which does not run it; "
+                    "re-plan with memplan plan for this model and configuration"
+                )
             if d.action == "keep":
                 keep.add(keys[d.op])
         choices.append(SpanChoice(span, "recompute", frozenset(keep)))
@@ -127,8 +159,7 @@ def _check_disjoint(choices: list[SpanChoice]) -> None:
     spans = sorted((c.span.fwd_start, c.span.fwd_end, c.span.path) for c in choices)
     for (a0, a1, pa), (b0, _, pb) in zip(spans, spans[1:]):
         if b0 < a1:
-            raise ValueError(f"plan recomputes or offloads both '{pa}' and '{pb}', which overlap; "
-                             "choose one of them")
+            raise ValueError(f"plan recomputes or offloads both '{pa}' and '{pb}', which overlap; choose one of them")
 
 
 def recompute_ops(graph: OpGraph, span: ModuleSpan, keep_ops: frozenset[int], dropped: Sequence[int]) -> list[int]:
@@ -143,13 +174,17 @@ def recompute_ops(graph: OpGraph, span: ModuleSpan, keep_ops: frozenset[int], dr
 def recompute_stop(graph: OpGraph, span: ModuleSpan) -> int:
     """The first forward op of a span that a recompute does not reach (its last save's position)."""
     prefix = span.path + "."
-    saves = [n for n, module in graph.pack_events
-             if span.fwd_start <= n <= span.fwd_end and (module == span.path or module.startswith(prefix))]
+    saves = [
+        n
+        for n, module in graph.pack_events
+        if span.fwd_start <= n <= span.fwd_end and (module == span.path or module.startswith(prefix))
+    ]
     return max(saves) if saves else span.fwd_end
 
 
-def cached_outputs(graph: OpGraph, span: ModuleSpan, keep_ops: frozenset[int],
-                   dropped: Sequence[int]) -> list[tuple[int, bool]]:
+def cached_outputs(
+    graph: OpGraph, span: ModuleSpan, keep_ops: frozenset[int], dropped: Sequence[int]
+) -> list[tuple[int, bool]]:
     """Outputs of kept ops that autograd did not save, which a selective policy's cache holds.
 
     Returns (storage, popped): popped when the recompute reaches the op and takes the output back
@@ -172,13 +207,6 @@ def dropped_from(graph: OpGraph, tid: int) -> int:
     return t.natural_free_op if t.natural_free_op is not None else graph.backward_start
 
 
-def recompute_cost(graph: OpGraph, span: ModuleSpan, keep_ops: frozenset[int], dropped: Sequence[int],
-                   times) -> tuple[int, float]:
-    """(FLOPs, seconds) of a span's recompute, with `times` the per-op seconds on the target."""
-    redo = recompute_ops(graph, span, keep_ops, dropped)
-    return sum(graph.ops[i].flops for i in redo), float(times[redo].sum()) if redo else 0.0
-
-
 def natural_free_in_span(graph: OpGraph, tid: int, span: ModuleSpan) -> int:
     """Where a storage re-created by a span's recompute dies inside the replay (at the latest at
     the span's end, where the recompute's outputs are dropped)."""
@@ -186,42 +214,168 @@ def natural_free_in_span(graph: OpGraph, tid: int, span: ModuleSpan) -> int:
     return min(t.natural_free_op if t.natural_free_op is not None else span.fwd_end, span.fwd_end)
 
 
-def replay_events(graph: OpGraph, span: ModuleSpan, keep_ops: frozenset[int], dropped: Sequence[int],
-                  popped: Sequence[int]) -> Iterator[tuple[str, int]]:
-    """The memory events of a recompute replay, in order (shared by the simulator and the solver).
+def reload_op(graph: OpGraph, tid: int, span: ModuleSpan) -> int | None:
+    """Where an offloaded storage comes back: autograd unpacks it when the backward node that
+    needs it runs (the first backward op reading it; the span's backward start when none does).
+    None when it is freed before the span's backward (nothing to bring back)."""
+    t = graph.tensors[tid]
+    if t.free_op is not None and t.free_op <= span.bwd_start:
+        return None
+    last = t.free_op - 1 if t.free_op is not None else len(graph.ops) - 1
+    use = graph.first_backward_use().get(tid, last)
+    return min(max(use, span.bwd_start), last)
 
-    ("free", storage): a replayed storage dies; ("alloc", storage): the next re-run op re-creates
-    it; ("op", index): that op has run (a sample point); ("hold", storage): a re-created storage
-    that stays until its own backward free. `popped` are cached outputs of kept ops, alive since
-    forward, that the replay takes back and lets die where they naturally would.
+
+# -- events on the curve ---------------------------------------------------------------------------
+FREE, RELOAD, REPLAY, ALLOC = range(4)  # order of the events at one op, before its sample
+SAMPLE = -1  # the storage of an event that marks a sample point inside a replay
+
+
+class Event(NamedTuple):
+    """A change of live bytes: before op `op` runs (len(ops): at the step's end; -1: before the step),
+    at `stage`. `nbytes` is per device and signed (+ allocated or brought back, - freed or dropped).
+    A replay's sample points are events of storage SAMPLE and 0 bytes naming the op just re-run."""
+
+    op: int
+    stage: int
+    storage: int
+    nbytes: int
+    category: str = ""
+    replayed: int = -1
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """An offloaded span's traffic on the one transfer link: `nbytes` stored to `target` once the
+    span's forward ends (before op `ready_op`), and loaded back in its backward."""
+
+    ready_op: int
+    nbytes: int
+    target: str
+
+
+@dataclass(frozen=True)
+class ChoiceEffect:
+    """Everything one choice does to the step.
+
+    `moved` are the storages whose lifetimes the choice rewrites; `events` are their whole new
+    lifetimes plus the replay (re-created copies, sample points), in order within each op and stage.
     """
+
+    moved: frozenset[int]
+    events: tuple[Event, ...]
+    recompute_flops: int
+    recompute_s: float
+    transfer: Transfer | None
+
+
+def storage_events(graph: OpGraph, tid: int, nbytes: int) -> Iterator[Event]:
+    """A storage's lifetime without a plan: allocated by its op (-1: before the step), freed where
+    the trace freed it (never when it outlives the step)."""
+    t = graph.tensors[tid]
+    yield Event(t.alloc_op, ALLOC, tid, nbytes, t.category)
+    if t.free_op is not None:
+        yield Event(t.free_op, FREE, tid, -nbytes, t.category)
+
+
+def choice_effect(graph: OpGraph, choice: SpanChoice, sizes: Mapping[int, int], times: np.ndarray) -> ChoiceEffect:
+    """The events of one choice, with `sizes` the per-device bytes of each storage and `times` the
+    seconds of each op on the target.
+
+    A dropped storage is allocated by its op and leaves where it would die unsaved. A recompute
+    re-creates it in the replay just before the span's backward; an offload reloads it when its
+    backward node needs it. Either way it then dies at its own backward free, or lives on when it
+    outlived the step without the plan (as in torch: the re-created tensor is the one kept).
+    """
+    span = choice.span
+    dropped = dropped_tensors(graph, span, choice.keep_ops)
+    cached = cached_outputs(graph, span, choice.keep_ops, dropped)
+    events: list[Event] = []
+
+    def add(op: int, stage: int, tid: int, sign: int) -> None:
+        events.append(Event(op, stage, tid, sign * sizes[tid], graph.tensors[tid].category))
+
+    for tid in dropped:
+        t = graph.tensors[tid]
+        add(t.alloc_op, ALLOC, tid, 1)
+        add(dropped_from(graph, tid), FREE, tid, -1)
+        at = reload_op(graph, tid, span) if choice.mode == "offload" else None
+        if at is not None:
+            add(at, RELOAD, tid, 1)
+            if t.free_op is not None:
+                add(t.free_op, FREE, tid, -1)
+    popped = []
+    for tid, in_replay in cached:
+        t = graph.tensors[tid]
+        add(t.alloc_op, ALLOC, tid, 1)
+        if in_replay:
+            popped.append(tid)
+        else:
+            add(max(span.bwd_end, t.free_op), FREE, tid, -1)
+    moved = frozenset(dropped) | {tid for tid, _ in cached}
+    if choice.mode == "offload":
+        transfer = Transfer(span.fwd_end, sum(sizes[tid] for tid in dropped), choice.target)
+        return ChoiceEffect(moved, tuple(events), 0, 0.0, transfer)
+    events += _replay(graph, span, choice.keep_ops, dropped, popped, sizes)
+    redo = recompute_ops(graph, span, choice.keep_ops, dropped)
+    flops = sum(graph.ops[i].flops for i in redo)
+    seconds = float(times[redo].sum()) if redo else 0.0
+    return ChoiceEffect(moved, tuple(events), flops, seconds, None)
+
+
+def _replay(
+    graph: OpGraph,
+    span: ModuleSpan,
+    keep_ops: frozenset[int],
+    dropped: Sequence[int],
+    popped: Sequence[int],
+    sizes: Mapping[int, int],
+) -> Iterator[Event]:
+    """The recompute's replay just before the span's backward: each re-run op re-creates its
+    outputs (a sample point follows it); a re-created dropped storage that the backward needs is
+    held, the rest die where they naturally would inside the replay. `popped` are cached outputs
+    of kept ops, alive since forward, that the replay takes back and lets die the same way."""
+    b = span.bwd_start
     drop_set = set(dropped)
     local: dict[int, list[int]] = defaultdict(list)  # op index -> storages that die before it
+
+    def event(tid: int, sign: int) -> Event:
+        return Event(b, REPLAY, tid, sign * sizes[tid], graph.tensors[tid].category)
+
     for tid in popped:
         local[natural_free_in_span(graph, tid, span)].append(tid)
     for i in recompute_ops(graph, span, keep_ops, dropped):
         for k in sorted(k for k in local if k <= i):
             for tid in local.pop(k):
-                yield "free", tid
+                yield event(tid, -1)
         for tid in graph.ops[i].allocs:
             t = graph.tensors[tid]
-            yield "alloc", tid
-            if tid in drop_set and t.free_op is not None and t.free_op > span.bwd_start:
-                yield "hold", tid
+            yield event(tid, 1)
+            if tid in drop_set and (t.free_op is None or t.free_op > b):
+                if t.free_op is not None:  # held until its own backward free
+                    yield Event(t.free_op, FREE, tid, -sizes[tid], t.category)
             else:
                 local[natural_free_in_span(graph, tid, span)].append(tid)
-        yield "op", i
+        yield Event(b, REPLAY, SAMPLE, 0, "", i)
     for k in sorted(local):
         for tid in local[k]:
-            yield "free", tid
+            yield event(tid, -1)
 
 
-def reload_op(graph: OpGraph, tid: int, span: ModuleSpan) -> int | None:
-    """Where an offloaded storage comes back: autograd unpacks it when the backward node that
-    needs it runs (the first backward op reading it), and frees it when that node is done.
-    None when it is freed before the span's backward (nothing to bring back)."""
-    t = graph.tensors[tid]
-    if t.free_op is None or t.free_op <= span.bwd_start:
-        return None
-    use = graph.first_backward_use().get(tid, t.free_op - 1)
-    return min(max(use, span.bwd_start), t.free_op - 1)
+def exposed_transfer_s(transfers: Sequence[Transfer], times: np.ndarray, deadline_op: int, device: DeviceSpec) -> float:
+    """Seconds of offload traffic not hidden behind compute, on the one transfer link.
+
+    Stores queue on the link in the order their spans' forwards end and stall the step only if
+    the link is still busy when op `deadline_op` (the backward's start) begins; loads happen when
+    autograd unpacks a tensor (no prefetch), so every load is on the critical path. The link ends
+    at max over k of (ready_k + the stores queued from k on): the solver prices it in that form.
+    """
+    if not transfers:
+        return 0.0
+    clock = np.concatenate([[0.0], np.cumsum(times)])  # clock[i] = start time of op i
+    link = 0.0
+    for tr in sorted(transfers, key=lambda x: x.ready_op):
+        link = max(link, clock[tr.ready_op]) + transfer_time_s(tr.nbytes, device, tr.target)
+    stores = max(0.0, link - clock[deadline_op])
+    loads = sum(transfer_time_s(tr.nbytes, device, tr.target) for tr in transfers)
+    return stores + loads

@@ -11,14 +11,14 @@ parameters (stage 3) and unsharded gradients (stage 2+) of the block that is run
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
+from operator import attrgetter
 
 import numpy as np
 
-from costmodels.hardware import DeviceSpec, get_device
+from costmodels.hardware import get_device
 from costmodels.memory import ModelStates
-from costmodels.runtime import transfer_time_s
 from planner.config import TrainConfig
 from planner.distributed.comm import step_communication
 from planner.distributed.fsdp import fsdp_buffers
@@ -27,20 +27,21 @@ from planner.simulation.costs import (
     category_scale,
     model_states_for,
     op_times,
+    storage_bytes,
 )
 from planner.simulation.effects import (
+    SAMPLE,
+    ChoiceEffect,
+    Event,
     SpanChoice,
-    cached_outputs,
+    choice_effect,
     choices_from_decisions,
-    dropped_from,
-    dropped_tensors,
-    recompute_cost,
-    reload_op,
-    replay_events,
+    exposed_transfer_s,
+    storage_events,
 )
 from planner.tracing.graph import CATEGORIES, OpGraph
 
-__all__ = ["Timeline", "simulate"]
+__all__ = ["Timeline", "simulate", "step_events"]
 
 
 
@@ -157,92 +158,58 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
     times = op_times(graph, device)
     transients = _block_transients(graph, config, scale)
 
-    def nbytes_of(tid: int) -> int:
-        t = graph.tensors[tid]
-        return int(t.nbytes * scale.get(t.category, 1.0))
+    sizes = storage_bytes(graph, config)
+    effects = [choice_effect(graph, c, sizes, times) for c in choices]
+    slots = step_events(graph, sizes, effects)
 
     mem = _Memory()
-    for t in graph.preexisting():
-        mem.add(t.category, nbytes_of(t.id))
     mem.add("optimizer", states.optimizer)
-
-    frees: dict[int, list[tuple[str, int]]] = defaultdict(list)  # op -> (category, bytes)
-    moved: set[int] = set()
-    inserts: dict[int, list[tuple[SpanChoice, list[int], list[int]]]] = defaultdict(list)
-    reloads: dict[int, list[tuple[str, int]]] = defaultdict(list)  # op -> storages brought back before it
-    recompute_flops, recompute_s, offloads = 0, 0.0, []
-    for choice in choices:
-        dropped = dropped_tensors(graph, choice.span, choice.keep_ops)
-        for tid in dropped:
-            frees[dropped_from(graph, tid)].append((graph.tensors[tid].category, nbytes_of(tid)))
-            moved.add(tid)
-        popped = []
-        for tid, in_replay in cached_outputs(graph, choice.span, choice.keep_ops, dropped):
-            moved.add(tid)
-            if in_replay:
-                popped.append(tid)
-            else:
-                t = graph.tensors[tid]
-                frees[max(choice.span.bwd_end, t.free_op)].append((t.category, nbytes_of(tid)))
-        if choice.mode == "recompute":
-            inserts[choice.span.bwd_start].append((choice, dropped, popped))
-            flops, seconds = recompute_cost(graph, choice.span, choice.keep_ops, dropped, times)
-            recompute_flops += flops
-            recompute_s += seconds
-        else:
-            offloads.append((choice, sum(graph.tensors[t].nbytes for t in dropped)))
-            for tid in dropped:
-                at = reload_op(graph, tid, choice.span)
-                if at is not None:
-                    t = graph.tensors[tid]
-                    reloads[at].append((t.category, nbytes_of(tid)))
-                    frees[t.free_op].append((t.category, nbytes_of(tid)))
-    for t in graph.tensors.values():
-        if t.id not in moved and t.free_op is not None:
-            frees[t.free_op].append((t.category, nbytes_of(t.id)))
-
+    for ev in slots[0]:
+        mem.add(ev.category, ev.nbytes)
     for op in graph.ops:
-        for category, nbytes in frees.pop(op.index, ()):
-            mem.add(category, -nbytes)
-        for choice, dropped, popped in inserts.get(op.index, ()):
-            _replay(graph, mem, frees, choice, dropped, popped, nbytes_of, transients.get(op.index))
-        for category, nbytes in reloads.get(op.index, ()):
-            mem.add(category, nbytes)
-        for tid in op.allocs:
-            mem.add(graph.tensors[tid].category, nbytes_of(tid))
-        mem.sample(op.index, op.phase, op.name, op.module, transients.get(op.index))
-    for category, nbytes in frees.pop(len(graph.ops), ()):
-        mem.add(category, -nbytes)
+        extra = transients.get(op.index)
+        for ev in slots[op.index + 1]:
+            if ev.storage == SAMPLE:  # a point inside a recompute's replay
+                redo = graph.ops[ev.replayed]
+                mem.sample(op.index, "backward", f"recompute {redo.name}", redo.module, extra)
+            else:
+                mem.add(ev.category, ev.nbytes)
+        mem.sample(op.index, op.phase, op.name, op.module, extra)
+    for ev in slots[-1]:
+        mem.add(ev.category, ev.nbytes)
     mem.sample(len(graph.ops), "optimizer", "optimizer.step", "", {"temporary": states.optimizer_step_temporary})
 
-    exposed = _offload_exposure(graph, times, device, offloads)
+    transfers = [e.transfer for e in effects if e.transfer is not None]
+    exposed = exposed_transfer_s(transfers, times, graph.backward_start, device)
+    recompute_s = sum(e.recompute_s for e in effects)
     optimizer_s = 2 * (states.parameter + states.gradient + states.optimizer) / device.hbm_bytes_per_s
     comm = step_communication(graph, times, zero_stage=config.zero_stage, dp=config.dp, device=device)
     costs = StepCosts(
         step_s=float(times.sum()) + optimizer_s + recompute_s + exposed + comm.exposed_communication_s,
-        recompute_flops=int(recompute_flops), recompute_s=recompute_s,
-        offload_bytes=int(sum(b for _, b in offloads)), exposed_offload_s=exposed,
+        recompute_flops=int(sum(e.recompute_flops for e in effects)), recompute_s=recompute_s,
+        offload_bytes=int(sum(tr.nbytes for tr in transfers)), exposed_offload_s=exposed,
         communication_s=comm.communication_s, exposed_communication_s=comm.exposed_communication_s,
     )
     return _timeline(mem, states, graph, config, costs)
 
 
-def _replay(graph: OpGraph, mem: _Memory, frees, choice: SpanChoice, dropped: list[int],
-            popped: list[int], nbytes_of, extra: dict[str, int] | None) -> None:
-    """Re-run a recomputed span's forward just before its backward, re-creating what it dropped."""
-    span = choice.span
-    for kind, x in replay_events(graph, span, choice.keep_ops, dropped, popped):
-        if kind == "op":
-            op = graph.ops[x]
-            mem.sample(span.bwd_start, "backward", f"recompute {op.name}", op.module, extra)
-            continue
-        t = graph.tensors[x]
-        if kind == "alloc":
-            mem.add(t.category, nbytes_of(x))
-        elif kind == "free":
-            mem.add(t.category, -nbytes_of(x))
-        else:  # "hold": dies at its own backward free, as the original would have
-            frees[t.free_op].append((t.category, nbytes_of(x)))
+def step_events(graph: OpGraph, sizes: Mapping[int, int], effects: Sequence[ChoiceEffect] = ()) -> list[list[Event]]:
+    """The step's events in order, in slots: [0] before the step, [i + 1] at op i, [-1] at the end.
+
+    Storages no choice moves keep their traced lifetimes; the choices' events replace the others'.
+    Within a slot events run by stage (frees, reloads, replays, allocations), stable otherwise.
+    """
+    moved = set().union(*(e.moved for e in effects))
+    slots: list[list[Event]] = [[] for _ in range(len(graph.ops) + 2)]
+    for tid in graph.tensors:
+        if tid not in moved:
+            for ev in storage_events(graph, tid, sizes[tid]):
+                slots[ev.op + 1].append(ev)
+    for e in effects:
+        for ev in e.events:
+            slots[ev.op + 1].append(ev)
+    by_stage = attrgetter("stage")
+    return [sorted(slot, key=by_stage) if len(slot) > 1 else slot for slot in slots]
 
 
 def _timeline(mem: _Memory, states: ModelStates, graph: OpGraph, config: TrainConfig,

@@ -16,16 +16,16 @@ from __future__ import annotations
 import fnmatch
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 from ortools.sat.python import cp_model
 
 from costmodels.hardware import get_device
 from planner.config import TrainConfig
-from planner.errors import InfeasibleBudget
-from planner.simulation.costs import category_scale, op_times
+from planner.errors import InfeasibleBudget, SolverTimeout
+from planner.simulation.costs import op_times, storage_bytes
 from planner.simulation.effects import SpanChoice
 from planner.simulation.step import Timeline, simulate
 from planner.solver.baselines import block_spans
@@ -36,6 +36,7 @@ from planner.solver.options import (
     option_effect,
 )
 from planner.tracing.graph import OpGraph
+from planner.units import format_bytes
 
 __all__ = ["RELATIVE_GAP_LIMIT", "SolveResult", "solve_choices"]
 
@@ -85,15 +86,31 @@ class _Problem:
     optimizer_peak: int
     options: list[list[BlockOption]]
     effects: list[list[OptionEffect | None]]
+    clock: np.ndarray  # (n_ops + 1,) start time of each op: when an offloaded block's store may begin
+    deadline_op: int  # the stores must be done when this op (the backward's first) starts
+
+    def peak_bytes(self, picks: Sequence[int]) -> int:
+        """The peak this model gives the chosen options, in bytes (the simulator's, exactly)."""
+        chosen = [e for effs, k in zip(self.effects, picks) if (e := effs[k]) is not None]
+        curve = self.base_post.copy()
+        for e in chosen:
+            curve[e.lo:e.hi] += e.delta
+        peak = max(int(curve.max(initial=0)), self.optimizer_peak)
+        for e in chosen:
+            b = e.replay_at
+            if e.replay_peak is not None and b < len(curve):
+                own = int(e.delta[b - e.lo]) if e.lo <= b < e.hi else 0
+                others = int(curve[b] - self.base_post[b]) - own
+                peak = max(peak, int(self.base_pre[b]) + others + e.replay_peak)
+        return peak
 
 
 def _problem(graph: OpGraph, config: TrainConfig, offload: str | None, keep: set[str],
              force: set[str], times: np.ndarray) -> _Problem:
     base = simulate(graph, config)
     total = base.total
-    scale = category_scale(graph, config)
-    allocs = np.array([sum(int(graph.tensors[t].nbytes * scale.get(graph.tensors[t].category, 1.0))
-                           for t in op.allocs) for op in graph.ops], dtype=np.int64)
+    sizes = storage_bytes(graph, config)
+    allocs = np.array([sum(sizes[t] for t in op.allocs) for op in graph.ops], dtype=np.int64)
     device = get_device(config.gpu)
     options, effects = [], []
     for span in block_spans(graph):
@@ -104,22 +121,25 @@ def _problem(graph: OpGraph, config: TrainConfig, offload: str | None, keep: set
             if span.path in force:
                 opts = [o for o in opts if o.choice is not None and o.choice.mode == "recompute"
                         and o.choice.span.path == span.path]
-        effs = [None if o.choice is None else option_effect(graph, o.choice, times, device, scale) for o in opts]
+        effs = [None if o.choice is None else option_effect(graph, o.choice, times, device, sizes) for o in opts]
         opts, effs = _undominated(opts, effs)
         options.append(opts)
         effects.append(effs)
     n = len(graph.ops)
-    return _Problem(total[:n].astype(np.int64), total[:n].astype(np.int64) - allocs, int(total[n]), options, effects)
+    clock = np.concatenate([[0.0], np.cumsum(times)])
+    return _Problem(total[:n].astype(np.int64), total[:n].astype(np.int64) - allocs, int(total[n]), options, effects,
+                    clock, graph.backward_start)
 
 
 def _undominated(opts: list[BlockOption], effs: list[OptionEffect | None]):
     """Drop options that cost at least as much as another and never use less memory."""
     def profile(e: OptionEffect | None, length: int, lo: int):
         if e is None:
-            return 0.0, np.zeros(length, dtype=np.int64), 0, 0
+            return 0.0, np.zeros(length, dtype=np.int64), 0, 0.0
         d = np.zeros(length, dtype=np.int64)
         d[e.lo - lo:e.hi - lo] = e.delta
-        return e.cost_s, d, e.replay_peak, e.offload_bytes
+        # an offload's store adds between 0 and store_s to the link's stall
+        return e.cost_s, d, e.replay_peak or 0, e.cost_s + e.store_s
 
     real = [e for e in effs if e is not None]
     if not real:
@@ -129,7 +149,7 @@ def _undominated(opts: list[BlockOption], effs: list[OptionEffect | None]):
     keep = []
     for i, (ci, di, ri, _) in enumerate(profiles):
         dominated = False
-        for j, (cj, dj, rj, _) in enumerate(profiles):
+        for j, (_, dj, rj, cj) in enumerate(profiles):
             if j == i:
                 continue
             no_worse = cj <= ci and rj <= ri and bool(np.all(dj <= di))
@@ -235,13 +255,20 @@ def _solve_cpsat(p: _Problem, budget: int, time_limit_s: float, n: int):
         row(int(s_), int(e_), int(p.base_post[s_:e_].max()))
     for r, effs in enumerate(p.effects):
         for k, eff in enumerate(effs):
-            if eff is None or eff.replay_at >= n or eff.replay_peak <= 0:
+            if eff is None or eff.replay_at >= n or eff.replay_peak is None:
                 continue
             b = eff.replay_at
+            own = int(eff.delta[b - eff.lo]) if eff.lo <= b < eff.hi else 0
+            if eff.replay_peak <= own + int(p.base_post[b] - p.base_pre[b]):
+                continue  # never above the op's own sample, which a segment row bounds
             row(b, b + 1, int(p.base_pre[b]), own=r, own_terms=up(eff.replay_peak) * y[r][k])
     costs = [[0.0 if e is None else e.cost_s for e in effs] for effs in p.effects]
-    scale_s = max(max((c for row_ in costs for c in row_), default=0.0), 1e-12) / 1_000_000
-    model.Minimize(sum(int(round(c / scale_s)) * y[r][k] for r, row_ in enumerate(costs) for k, c in enumerate(row_)))
+    stores = [(e.transfer.ready_op, e.store_s, y[r][k]) for r, effs in enumerate(p.effects)
+              for k, e in enumerate(effs) if e is not None and e.transfer is not None]
+    scale_s = max(max((c for row_ in costs for c in row_), default=0.0),
+                  max((s for _, s, _ in stores), default=0.0), 1e-12) / 1_000_000
+    objective = sum(int(round(c / scale_s)) * y[r][k] for r, row_ in enumerate(costs) for k, c in enumerate(row_))
+    model.Minimize(objective + _link_stall(model, p, stores, scale_s))
     solver = cp_model.CpSolver()
     # A deterministic-time limit makes the plan the same on every run and machine even when the
     # limit is hit; the wall-clock limit is only a backstop.
@@ -257,6 +284,26 @@ def _solve_cpsat(p: _Problem, budget: int, time_limit_s: float, n: int):
         return name, None, 0.0, 0.0, sum(len(r) for r in y)
     picks = [next(k for k, v in enumerate(row_) if solver.Value(v)) for row_ in y]
     return name, picks, solver.ObjectiveValue() * scale_s, solver.BestObjectiveBound() * scale_s, sum(len(r) for r in y)
+
+
+def _link_stall(model: cp_model.CpModel, p: _Problem, stores: list[tuple[int, float, cp_model.IntVar]],
+                scale_s: float):
+    """The stall of the one transfer link when the backward starts, in units of `scale_s`, as
+    :func:`planner.simulation.effects.exposed_transfer_s` prices it: the link ends at max over k
+    of (ready_k + the stores queued from k on), so stall >= that minus the deadline, and >= 0."""
+    if not stores:
+        return 0
+    stores = sorted(stores, key=lambda x: x[0])
+    units = [int(round(s / scale_s)) for _, s, _ in stores]
+    stall = model.NewIntVar(0, sum(units), "link_stall")
+    deadline = p.clock[p.deadline_op]
+    for k, (ready_op, _, _) in enumerate(stores):
+        offset_s = p.clock[ready_op] - deadline
+        if offset_s + sum(s for _, s, _ in stores[k:]) <= 0:
+            continue  # the link is idle again before the deadline whatever is stored
+        queued = sum(u * v for u, (_, _, v) in zip(units[k:], stores[k:]))
+        model.Add(stall >= int(round(offset_s / scale_s)) + queued)
+    return stall
 
 
 def _min_peak_choices(p: _Problem) -> list[SpanChoice]:
@@ -276,8 +323,6 @@ def _min_peak_choices(p: _Problem) -> list[SpanChoice]:
 
 
 def _infeasible(graph: OpGraph, config: TrainConfig, budget: int, p: _Problem) -> InfeasibleBudget:
-    from planner.units import format_bytes
-
     best = simulate(graph, config, choices=_min_peak_choices(p))
     top = max(best.breakdown_at_peak.items(), key=lambda kv: kv[1])
     return InfeasibleBudget(
@@ -315,22 +360,19 @@ def solve_choices(graph: OpGraph, config: TrainConfig, budget_bytes: int, *, off
     n = len(graph.ops)
     if p.optimizer_peak > budget_bytes:
         raise _infeasible(graph, config, budget_bytes, p)
-    budget = budget_bytes
-    for attempt in range(4):
-        status, picks, objective, bound, nvars = _solve_cpsat(p, budget, time_limit_s, n)
-        if picks is None:
-            if status == "INFEASIBLE":
-                raise _infeasible(graph, config, budget_bytes, p)
-            raise ValueError(f"the solver found no plan within --time-limit {time_limit_s:g}s ({status}); "
-                             "raise --time-limit")
-        chosen = [(p.options[r][k]) for r, k in enumerate(picks)]
-        choices = tuple(o.choice for o in chosen if o.choice is not None)
-        timeline = simulate(graph, config, choices=choices)
-        if timeline.peak_bytes <= budget_bytes:
-            if attempt > 0 and status == "OPTIMAL":
-                status = "FEASIBLE"  # optimal for a tightened budget only
-            gap = (objective - bound) / objective if objective > 0 else 0.0
-            return SolveResult("optimal", choices, tuple(o.name for o in chosen), timeline, status,
-                               objective, bound, max(0.0, gap), time.perf_counter() - t0, nvars)
-        budget -= timeline.peak_bytes - budget_bytes  # interactions the linear model missed
-    raise ValueError("the solver's plans kept exceeding the budget in simulation; report this model to memplan")
+    status, picks, objective, bound, nvars = _solve_cpsat(p, budget_bytes, time_limit_s, n)
+    if picks is None:
+        if status == "INFEASIBLE":
+            raise _infeasible(graph, config, budget_bytes, p)
+        raise SolverTimeout(f"the solver found no plan within --time-limit {time_limit_s:g}s ({status}); "
+                            "raise --time-limit")
+    chosen = [p.options[r][k] for r, k in enumerate(picks)]
+    choices = tuple(o.choice for o in chosen if o.choice is not None)
+    timeline = simulate(graph, config, choices=choices)
+    model_peak = p.peak_bytes(picks)
+    assert timeline.peak_bytes == model_peak <= budget_bytes, (
+        f"the solver's model ({model_peak} B) and the simulator ({timeline.peak_bytes} B) disagree "
+        f"on the plan's peak under a budget of {budget_bytes} B")
+    gap = (objective - bound) / objective if objective > 0 else 0.0
+    return SolveResult("optimal", choices, tuple(o.name for o in chosen), timeline, status,
+                       objective, bound, max(0.0, gap), time.perf_counter() - t0, nvars)

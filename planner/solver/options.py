@@ -3,35 +3,37 @@
 For each checkpointable block the options are: keep everything; recompute the whole block;
 selective recompute (keep the outputs of the ops that are most expensive per byte, recompute
 the rest); torch's op-SAC, torchtitan's alternating op-SAC and Megatron's selective recompute
-(planner.solver.policies); recompute one child module; offload what the block saves. Each option's effect is the
-change it makes to the simulated curve (`delta`, per op sample) and the peak of its own replay
-(recompute or reload) just before the block's backward; the solver adds these up exactly as
-:func:`planner.simulation.step.simulate` would.
+(planner.solver.policies); recompute one child module; offload what the block saves. Each option's effect is
+summed from the events :func:`planner.simulation.effects.choice_effect` gives the simulator: the
+change it makes to the curve (`delta`, per op sample) and its own replay's peak just before the
+block's backward; the solver adds these up exactly as :func:`planner.simulation.step.simulate` does.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 
 from costmodels.hardware import DeviceSpec
 from costmodels.runtime import transfer_time_s
 from planner.simulation.effects import (
+    REPLAY,
+    SAMPLE,
     ModuleSpan,
     SpanChoice,
-    cached_outputs,
-    dropped_from,
-    dropped_tensors,
+    Transfer,
+    choice_effect,
     module_span,
-    recompute_cost,
-    reload_op,
-    replay_events,
+    storage_events,
 )
 from planner.solver.policies import attention_core_choice, op_sac_alt_choice, op_sac_choice, saved_producers
 from planner.tracing.graph import OpGraph
 
 __all__ = ["BlockOption", "OptionEffect", "block_options", "option_effect"]
+
 
 @dataclass(frozen=True)
 class BlockOption:
@@ -43,77 +45,60 @@ class BlockOption:
 
 @dataclass(frozen=True)
 class OptionEffect:
-    """Exact effect of an option on the curve.
+    """Exact effect of an option on the curve, summed from its events (:func:`choice_effect`).
 
     `delta[i - lo]` is the change of live bytes at op sample i for lo <= i < hi (zero elsewhere);
-    `replay_at` is the op before which the replay runs and `replay_peak` the most its replay adds
-    on top of the live bytes just before that op (after the option's own drops).
+    `replay_at` is the op before which the replay runs and `replay_peak` the option's own change
+    of live bytes at the highest sample of its replay (None: no replay), on top of the curve just
+    before that op's allocations. `cost_s` is the recompute time, or an offload's load time; its
+    store (`transfer`, `store_s` seconds) is priced on the one shared link.
     """
 
     lo: int
     hi: int
     delta: np.ndarray
     replay_at: int
-    replay_peak: int
+    replay_peak: int | None
     cost_s: float
     recompute_flops: int
     offload_bytes: int
-
-
-def _nbytes(graph: OpGraph, tid: int, scale: dict[str, float]) -> int:
-    t = graph.tensors[tid]
-    return int(t.nbytes * scale.get(t.category, 1.0))
+    transfer: Transfer | None = None
+    store_s: float = 0.0
 
 
 def option_effect(graph: OpGraph, choice: SpanChoice, times: np.ndarray, device: DeviceSpec,
-                  scale: dict[str, float]) -> OptionEffect:
-    """How a span choice changes the curve, mirroring simulate()'s event rules."""
+                  sizes: Mapping[int, int]) -> OptionEffect:
+    """How a span choice changes the curve: its events minus the traced lifetimes they replace."""
     span = choice.span
     b = span.bwd_start
-    dropped = dropped_tensors(graph, span, choice.keep_ops)
-    gone: list[tuple[int, int, int]] = []  # (from, until, bytes) a dropped storage is absent
-    for tid in dropped:
-        t = graph.tensors[tid]
-        start = dropped_from(graph, tid)
-        if choice.mode == "offload":
-            back = reload_op(graph, tid, span)
-            end = back if back is not None else (t.free_op or b)
-        else:
-            end = b if (t.free_op is not None and t.free_op > b) else (t.free_op or b)
-        if end > start:
-            gone.append((start, end, _nbytes(graph, tid, scale)))
-    cached = cached_outputs(graph, span, choice.keep_ops, dropped)
-    held = [(graph.tensors[tid].free_op, b if popped else span.bwd_end, _nbytes(graph, tid, scale))
-            for tid, popped in cached]  # the cache keeps them past their free
+    effect = choice_effect(graph, choice, sizes, times)
+    replaced = [ev for tid in sorted(effect.moved) for ev in storage_events(graph, tid, sizes[tid])]
+    changes = list(effect.events) + [ev._replace(nbytes=-ev.nbytes) for ev in replaced]
+    per_op: dict[int, int] = defaultdict(int)
+    for ev in changes:
+        per_op[ev.op] += ev.nbytes
+    assert sum(per_op.values()) == 0, f"the choice on '{span.path}' does not end the step as it found it"
     lo = span.fwd_start
-    hi = max([b] + [end for _, end, _ in gone] + [end for _, end, _ in held])
-    delta = np.zeros(hi - lo, dtype=np.int64)
-    for start, end, nbytes in gone:
-        delta[start - lo:end - lo] -= nbytes
-    for start, end, nbytes in held:
-        delta[start - lo:end - lo] += nbytes
-    if choice.mode == "offload":
-        nbytes = sum(graph.tensors[tid].nbytes for tid in dropped)
-        replay_peak = 0  # the reloaded storages only return what the drops took away
-        tx = transfer_time_s(nbytes, device, choice.target)
-        fwd_s = float(times[span.fwd_start:span.fwd_end].sum())
-        # the store overlaps the block's forward; the load is on the critical path (no prefetch)
-        cost = max(0.0, tx - fwd_s) + tx
-        return OptionEffect(lo, hi, delta, b, replay_peak, cost, 0, nbytes)
-    popped = [tid for tid, in_replay in cached if in_replay]
-    live = peak = sum(_nbytes(graph, tid, scale) for tid in popped)  # cached since forward
-    for kind, x in replay_events(graph, span, choice.keep_ops, dropped, popped):
-        if kind == "alloc":
-            live += _nbytes(graph, x, scale)
-        elif kind == "free":
-            live -= _nbytes(graph, x, scale)
-        elif kind == "op":
-            peak = max(peak, live)
-    flops, seconds = recompute_cost(graph, span, choice.keep_ops, dropped, times)
-    # The replay starts after the dropped storages are gone: they come back inside `peak`.
-    regained = sum(_nbytes(graph, tid, scale) for tid in dropped
-                   if graph.tensors[tid].free_op is not None and graph.tensors[tid].free_op > b)
-    return OptionEffect(lo, hi, delta, b, peak - regained, seconds, flops, 0)
+    hi = max([b] + [op for op, nbytes in per_op.items() if nbytes])
+    steps = np.zeros(hi - lo + 1, dtype=np.int64)
+    for op, nbytes in per_op.items():
+        assert op >= lo or not nbytes, f"the choice on '{span.path}' changes the curve before its forward"
+        if lo <= op <= hi:
+            steps[op - lo] += nbytes
+    delta = np.cumsum(steps)[: hi - lo]
+    live = sum(ev.nbytes for ev in changes if (ev.op, ev.stage) < (b, REPLAY))
+    replay_peak = None
+    for ev in effect.events:
+        if ev.op == b and ev.stage == REPLAY:
+            if ev.storage == SAMPLE:
+                replay_peak = live if replay_peak is None else max(replay_peak, live)
+            else:
+                live += ev.nbytes
+    tr = effect.transfer
+    if tr is None:
+        return OptionEffect(lo, hi, delta, b, replay_peak, effect.recompute_s, effect.recompute_flops, 0)
+    seconds = transfer_time_s(tr.nbytes, device, tr.target)  # the store and the load each take this long
+    return OptionEffect(lo, hi, delta, b, replay_peak, seconds, 0, tr.nbytes, tr, seconds)
 
 
 def _child_spans(graph: OpGraph, path: str) -> list[ModuleSpan]:
@@ -154,4 +139,3 @@ def block_options(graph: OpGraph, span: ModuleSpan, times: np.ndarray, offload: 
     if offload:
         options.append(BlockOption(f"offload-{offload}", SpanChoice(span, "offload", target=offload)))
     return options
-
