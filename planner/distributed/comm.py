@@ -18,6 +18,8 @@ import numpy as np
 
 from costmodels.hardware import DeviceSpec
 from costmodels.runtime import collective_time_s
+from planner.config import TrainConfig
+from planner.distributed.fsdp import fsdp_itemsizes
 from planner.tracing.graph import OpGraph
 
 __all__ = ["BlockTimes", "CommSchedule", "fsdp_communication", "fsdp_schedule", "step_communication"]
@@ -133,22 +135,24 @@ def fsdp_communication(graph: OpGraph, times: np.ndarray, *, dp: int, device: De
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default gradient bucket
 
 
-def step_communication(graph: OpGraph, times: np.ndarray, *, zero_stage: int, dp: int, device: DeviceSpec,
-                       reduce_bytes_per_gathered_byte: float = 1.0,
-                       reshard_after_forward: bool = True) -> CommSchedule:
+def step_communication(graph: OpGraph, times: np.ndarray, config: TrainConfig, device: DeviceSpec) -> CommSchedule:
     """Communication of one data-parallel step.
 
     ZeRO-3 is FSDP2's schedule (:func:`fsdp_communication`). Below it every gradient is all-reduced
     (DDP, ZeRO-1) or reduce-scattered with the updated parameters all-gathered after the step
     (ZeRO-2): two ring passes over the gradient bytes either way, in buckets that overlap the
-    backward compute, so only what backward cannot hide and the last bucket are exposed.
+    backward compute, so only what backward cannot hide and the last bucket are exposed. A partial
+    reshard (`reshard_after_forward=N`) is priced as a full one: its backward all-gather stays in
+    the node but moves the same bytes.
     """
+    dp = config.dp
     if dp == 1:
         return CommSchedule(float(times.sum()), 0.0, 0.0)
-    if zero_stage == 3:
+    if config.zero_stage == 3:
+        gathered_itemsize, reduce_itemsize = fsdp_itemsizes(graph, config)
         return fsdp_communication(graph, times, dp=dp, device=device,
-                                  reduce_bytes_per_gathered_byte=reduce_bytes_per_gathered_byte,
-                                  reshard_after_forward=reshard_after_forward)
+                                  reduce_bytes_per_gathered_byte=reduce_itemsize / gathered_itemsize,
+                                  reshard_after_forward=config.reshard_after_forward is not False)
     grad_bytes = sum(t.nbytes for t in graph.tensors.values() if t.category == "gradient")
     comm = 2 * collective_time_s(grad_bytes, dp, device)
     last_bucket = 2 * collective_time_s(min(grad_bytes, DDP_BUCKET_BYTES), dp, device)

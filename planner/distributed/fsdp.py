@@ -38,7 +38,7 @@ from costmodels.memory import get_precision
 from planner.config import TrainConfig
 from planner.tracing.graph import OpGraph
 
-__all__ = ["FsdpUnit", "fsdp_units", "fsdp_buffers"]
+__all__ = ["FsdpUnit", "fsdp_buffers", "fsdp_itemsizes", "fsdp_units"]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
@@ -165,6 +165,13 @@ def _events(units: list[FsdpUnit]) -> tuple[dict[int, list], dict[int, list]]:
     return before, after
 
 
+def fsdp_itemsizes(graph: OpGraph, config: TrainConfig) -> tuple[int, int]:
+    """Bytes per element FSDP2 all-gathers parameters in (the traced dtype) and reduce-scatters
+    gradients in (`mp_reduce_dtype`, else the all-gather dtype, as FSDP2 defaults)."""
+    gathered = _DTYPE_BYTES.get(graph.param_dtype, 4)
+    return gathered, _DTYPE_BYTES[config.mp_reduce_dtype] if config.mp_reduce_dtype else gathered
+
+
 def fsdp_buffers(graph: OpGraph, config: TrainConfig, gradient_scale: float) -> dict[int, dict[str, int]]:
     """Op index -> extra per-rank bytes FSDP2 holds at that op (its highest instant there).
 
@@ -180,10 +187,9 @@ def fsdp_buffers(graph: OpGraph, config: TrainConfig, gradient_scale: float) -> 
     raf = config.reshard_after_forward
     keep = dp if raf is True else 1 if raf is False else int(raf)
     state = _State(units, dp, keep)
-    traced_itemsize = _DTYPE_BYTES.get(graph.param_dtype, 4)
+    traced_itemsize, reduce_itemsize = fsdp_itemsizes(graph, config)
     master_itemsize = get_precision(config.precision).param_dtype.itemsize
     copy_in = traced_itemsize != master_itemsize or config.cpu_offload
-    reduce_itemsize = _DTYPE_BYTES[config.mp_reduce_dtype] if config.mp_reduce_dtype else traced_itemsize
 
     grad_owner = _gradient_owners(graph, units)
     before, after = _events(units)

@@ -183,7 +183,7 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
     exposed = exposed_transfer_s(transfers, times, graph.backward_start, device)
     recompute_s = sum(e.recompute_s for e in effects)
     optimizer_s = 2 * (states.parameter + states.gradient + states.optimizer) / device.hbm_bytes_per_s
-    comm = step_communication(graph, times, zero_stage=config.zero_stage, dp=config.dp, device=device)
+    comm = step_communication(graph, times, config, device)
     costs = StepCosts(
         step_s=float(times.sum()) + optimizer_s + recompute_s + exposed + comm.exposed_communication_s,
         recompute_flops=int(sum(e.recompute_flops for e in effects)), recompute_s=recompute_s,
