@@ -26,3 +26,21 @@ def test_benchmarks_quick_subset(tmp_path):
         assert r["mincut"]["recompute_flops"] >= 0 and 0.0 <= r["mincut"]["activation_memory_budget"] <= 1.0
     (s,) = results["solver"]
     assert s["model"] == "llama-L2" and s["num_variables"] > 0 and s["status"] in ("OPTIMAL", "FEASIBLE")
+
+
+def test_measured_time_quick(tmp_path):
+    rc = main(["--measured-time", "--quick", "--out", str(tmp_path), "--models", "gpt"])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert rc == 0, results["failures"]
+    rows = {r["strategy"]: r for r in results["measured"]}
+    assert set(rows) == {"none", "full", "every-2", "op-sac", "op-sac-alt", "megatron-selective", "memplan 30%",
+                         "memplan 50%", "memplan 70%"}
+    measured = [r for r in rows.values() if "failure" not in r]
+    assert {"none", "full", "op-sac", "memplan 70%"} <= {r["strategy"] for r in measured}
+    for r in measured:
+        assert r["grads_equal"] and len(r["steps"]) >= 1
+        assert all(s["wall_s"] > 0 and s["other_cpu_s"] >= 0 and s["attempts"] >= 1 for s in r["steps"])
+        assert abs(r["measured_peak_bytes"] - r["predicted_peak_bytes"]) <= 0.01 * r["predicted_peak_bytes"]
+    assert rows["none"]["measured_overhead"] == 0.0 and rows["none"]["predicted_overhead"] == 0.0
+    assert rows["full"]["measured_peak_bytes"] < rows["none"]["measured_peak_bytes"]
+    assert rows["memplan 70%"]["measured_peak_bytes"] <= rows["memplan 70%"]["budget_bytes"]

@@ -1,0 +1,253 @@
+"""Measured time and peak of eager training steps under each strategy, beside memplan's predictions.
+
+`python -m benchmarks --measured-time [--quick]`. For GPT-, Llama- and ResNet-shaped models (steps
+of about 1 s on a 2-core CPU; `--quick`: toy sizes), each strategy gets its own copy of the same
+initial weights with its plan applied: none, full, every-2, op-sac, megatron-selective, and
+op-sac-alt, memplan's optimal plan at 30/50/70% of the way from the model states to the no-plan peak.
+
+- Time: strategies run round-robin, one step each per round, so drifts of the machine hit all of
+  them alike; each step is timed only when the machine is quiet (benchmarks/quiet.py) and the
+  other processes' CPU time is recorded per step. Overhead = median step / median step of none - 1.
+  Noise = half the interquartile range of a strategy's steps over their median.
+- Peak: a separate warm-up and measured step under memplan's LiveBytesTracker (as `memplan verify`).
+- Gradients: the first step's gradients of every strategy against none's (same weights and data).
+- Predictions come from the plan (simulated step on a device profile calibrated on this machine).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.common import Options, gb, pct, print_table
+from benchmarks.quiet import timed_quiet
+from costmodels.calibration import FULL, QUICK, calibrate
+from costmodels.hardware import profile_dict
+from planner.config import TrainConfig
+from planner.errors import InfeasibleBudget
+from planner.plans.format import Plan
+from planner.runtime.apply import apply_plan
+from planner.runtime.verify import make_optimizer, measure_step
+from planner.simulation.step import simulate
+from planner.solver.planning import solve
+from planner.tracing.models import GPT, ConvNet, ConvNetConfig, GPTConfig, Llama, LlamaConfig
+from planner.tracing.recorder import loss_of, run_step_inputs, trace
+
+__all__ = ["run", "show"]
+
+PATH = __file__
+BASELINES = ("none", "full", "every-2", "op-sac", "op-sac-alt", "megatron-selective")
+FRACTIONS = (0.3, 0.5, 0.7)  # memplan's budget: this far from the model states to the no-plan peak
+
+
+def _tokens(batch_size: int, seq_len: int, vocab: int):
+    g = torch.Generator().manual_seed(1)
+    return tuple(torch.randint(0, vocab, (batch_size, seq_len), generator=g) for _ in range(2))
+
+
+def gpt_bench(batch_size: int, seq_len: int):
+    """GPT-2 shaped: 6 layers, 256 wide, 4 heads, vocab 512."""
+    config = GPTConfig(vocab_size=512, block_size=seq_len, n_layer=6, n_head=4, n_embd=256)
+    return GPT(config), _tokens(batch_size, seq_len, 512)
+
+
+def llama_bench(batch_size: int, seq_len: int):
+    """Llama shaped: 6 layers, 256 wide, 704 MLP, 4 heads (2 kv heads), vocab 512."""
+    return Llama(LlamaConfig(512, 256, 704, 6, 4, 2)), _tokens(batch_size, seq_len, 512)
+
+
+def resnet_bench(batch_size: int, seq_len: int):
+    """ResNet shaped: 3 stages of 2 blocks, 32-128 channels; seq_len is the image side."""
+    return ConvNet(ConvNetConfig(channels=(32, 64, 128), blocks=(2, 2, 2), num_classes=10)), _images(
+        batch_size, seq_len
+    )
+
+
+def gpt_toy(batch_size: int, seq_len: int):
+    """--quick: GPT-2 shaped, 2 layers, 64 wide."""
+    config = GPTConfig(vocab_size=64, block_size=seq_len, n_layer=2, n_head=2, n_embd=64)
+    return GPT(config), _tokens(batch_size, seq_len, 64)
+
+
+def llama_toy(batch_size: int, seq_len: int):
+    """--quick: Llama shaped, 2 layers, 64 wide."""
+    return Llama(LlamaConfig(64, 64, 128, 2, 2, 1)), _tokens(batch_size, seq_len, 64)
+
+
+def resnet_toy(batch_size: int, seq_len: int):
+    """--quick: ResNet shaped, 2 stages of 1 block, 8-16 channels."""
+    return ConvNet(ConvNetConfig(channels=(8, 16), blocks=(1, 1), num_classes=10)), _images(batch_size, seq_len)
+
+
+def _images(batch_size: int, side: int):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(batch_size, 3, side, side, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
+
+
+# name, (builder, batch, seq) full, (builder, batch, seq) --quick
+MODELS = [
+    ("gpt", ("gpt_bench", 2, 512), ("gpt_toy", 2, 128)),
+    ("llama", ("llama_bench", 2, 512), ("llama_toy", 2, 128)),
+    ("resnet", ("resnet_bench", 16, 64), ("resnet_toy", 4, 32)),
+]
+
+
+def _plans(graph, config: TrainConfig) -> dict[str, Plan | str]:
+    """Strategy -> its plan (or why there is none)."""
+    base = simulate(graph, config)
+    states = sum(base.model_states.values())
+    plans: dict[str, Plan | str] = {s: solve(graph, config, 10**15, strategy=s) for s in BASELINES}
+    for f in FRACTIONS:
+        budget = int(states + f * (base.peak_bytes - states))
+        try:
+            plans[f"memplan {f:.0%}"] = solve(graph, config, budget, time_limit_s=20.0)
+        except InfeasibleBudget as exc:
+            plans[f"memplan {f:.0%}"] = f"infeasible: {exc}"
+    return plans
+
+
+class _Runner:
+    """One strategy's model copy (plan applied), optimizer and timed steps."""
+
+    def __init__(self, base: torch.nn.Module, plan: Plan, inputs, config: TrainConfig) -> None:
+        self.model = copy.deepcopy(base)
+        self.handle = apply_plan(self.model, plan) if plan.decisions else None
+        self.optimizer = make_optimizer(self.model.parameters(), config.optimizer)
+        self.inputs = inputs
+        self.steps = []
+
+    def grads(self) -> list[torch.Tensor]:
+        loss_of(run_step_inputs(self.model, self.inputs)).backward()
+        return [p.grad.detach().clone() for p in self.model.parameters() if p.grad is not None]
+
+    def step(self) -> None:
+        loss_of(run_step_inputs(self.model, self.inputs)).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+
+
+def _peak(base: torch.nn.Module, plan: Plan, inputs, config: TrainConfig) -> int:
+    model = copy.deepcopy(base)
+    handle = apply_plan(model, plan) if plan.decisions else None
+    try:
+        return measure_step(model, inputs, config).peak_bytes
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _model_rows(name: str, builder: str, batch: int, seq: int, profile: str, opts: Options) -> list[dict]:
+    config = TrainConfig(batch_size=batch, seq_len=seq, gpu=profile)
+    graph = trace(f"{PATH}:{builder}", batch_size=batch, seq_len=seq)
+    plans = _plans(graph, config)
+    torch.manual_seed(0)
+    base, inputs = globals()[builder](batch, seq)
+    base.train()
+    runnable = {s: p for s, p in plans.items() if isinstance(p, Plan)}
+    runners = {s: _Runner(base, p, inputs, config) for s, p in runnable.items()}
+    reference = runners["none"].grads()
+    grads_equal = {}
+    for s, r in runners.items():
+        got = r.grads() if s != "none" else reference
+        grads_equal[s] = len(got) == len(reference) and all(
+            torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(got, reference)
+        )
+        r.optimizer.zero_grad(set_to_none=True)
+    rounds = 2 if opts.quick else 9
+    attempts = 1 if opts.quick else 10
+    for k in range(rounds):  # round-robin; the first round warms up and is not kept
+        for r in runners.values():
+            t = timed_quiet(r.step, attempts)
+            if k:
+                r.steps.append(t)
+    for r in runners.values():
+        r.close()
+    none_s = float(np.median([t.wall_s for t in runners["none"].steps]))
+    rows = []
+    for s, plan in plans.items():
+        row = {"model": name, "batch_size": batch, "seq_len": seq, "strategy": s}
+        if not isinstance(plan, Plan):
+            rows.append({**row, "failure": plan})
+            continue
+        walls = np.array([t.wall_s for t in runners[s].steps])
+        q1, med, q3 = np.percentile(walls, [25, 50, 75])
+        rows.append(
+            {
+                **row,
+                "budget_bytes": plan.budget_bytes if s.startswith("memplan") else None,
+                "measured_peak_bytes": _peak(base, plan, inputs, config),
+                "predicted_peak_bytes": plan.predicted.peak_bytes,
+                "measured_overhead": float(med / none_s - 1),
+                "predicted_overhead": plan.predicted.overhead,
+                "grads_equal": grads_equal[s],
+                "noise": float((q3 - q1) / 2 / med),
+                "median_step_s": float(med),
+                "steps": [t.to_dict() for t in runners[s].steps],
+            }
+        )
+    return rows
+
+
+def run(opts: Options) -> list[dict]:
+    cal = calibrate(QUICK if opts.quick else FULL)
+    profile = Path(tempfile.mkdtemp(prefix="memplan-bench-")) / "device.json"
+    profile.write_text(json.dumps(profile_dict(cal.device, cal.measured())))
+    rows = []
+    for name, full, quick in opts.select(MODELS):
+        builder, batch, seq = quick if opts.quick else full
+        rows += _model_rows(name, builder, batch, seq, str(profile), opts)
+    return rows
+
+
+def show(rows: list[dict]) -> None:
+    def quiet(r):
+        steps = r.get("steps", [])
+        return f"{sum(t['quiet'] for t in steps)}/{len(steps)}" if steps else "-"
+
+    def other(r):
+        steps = r.get("steps", [])
+        return f"{np.mean([t['other_cpu_s'] for t in steps]):.3f}" if steps else "-"
+
+    print_table(
+        "measured time: eager CPU fp32 AdamW steps, strategies interleaved round-robin",
+        [
+            "model",
+            "strategy",
+            "budget",
+            "meas. peak",
+            "pred. peak",
+            "meas. overhead",
+            "pred. overhead",
+            "grads equal",
+            "noise",
+            "step s",
+            "quiet",
+            "other CPU s",
+        ],
+        [
+            [
+                r["model"],
+                r["strategy"],
+                gb(r.get("budget_bytes")),
+                gb(r.get("measured_peak_bytes")),
+                gb(r.get("predicted_peak_bytes")),
+                pct(r.get("measured_overhead")),
+                pct(r.get("predicted_overhead")),
+                str(r.get("grads_equal", "-")),
+                pct(r.get("noise")),
+                f"{r['median_step_s']:.3f}" if "median_step_s" in r else r.get("failure", "-")[:40],
+                quiet(r),
+                other(r),
+            ]
+            for r in rows
+        ],
+    )
