@@ -42,60 +42,97 @@ def _causal_lm(model: nn.Module, batch_size: int, seq_len: int) -> tuple[nn.Modu
 def llama(batch_size: int, seq_len: int):
     import transformers as hf
 
-    config = hf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+    config = hf.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+    )
     return _causal_lm(hf.LlamaForCausalLM(config), batch_size, seq_len)
 
 
 def mistral(batch_size: int, seq_len: int):
     import transformers as hf
 
-    config = hf.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                              sliding_window=None)
+    config = hf.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=None,
+    )
     return _causal_lm(hf.MistralForCausalLM(config), batch_size, seq_len)
 
 
 def phi(batch_size: int, seq_len: int):
     import transformers as hf
 
-    config = hf.PhiConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, max_position_embeddings=256)
+    config = hf.PhiConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+    )
     return _causal_lm(hf.PhiForCausalLM(config), batch_size, seq_len)
 
 
 def gpt_neox(batch_size: int, seq_len: int):
     import transformers as hf
 
-    config = hf.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=4, max_position_embeddings=256)
+    config = hf.GPTNeoXConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+    )
     return _causal_lm(hf.GPTNeoXForCausalLM(config), batch_size, seq_len)
 
 
 def gpt2(batch_size: int, seq_len: int):
     import transformers as hf
 
-    config = hf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256,
-                           bos_token_id=0, eos_token_id=0)
+    config = hf.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, bos_token_id=0, eos_token_id=0
+    )
     return _causal_lm(hf.GPT2LMHeadModel(config), batch_size, seq_len)
 
 
 def bert(batch_size: int, seq_len: int):
     import transformers as hf
 
-    config = hf.BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, max_position_embeddings=256)
+    config = hf.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+    )
     mask = torch.ones(batch_size, seq_len, dtype=torch.long)
-    mask[0, seq_len // 2:] = 0  # padding: the eager path answers the mask checks from real values
-    return hf.BertForMaskedLM(config), {"input_ids": _tokens(batch_size, seq_len), "attention_mask": mask,
-                                        "labels": _tokens(batch_size, seq_len)}
+    mask[0, seq_len // 2 :] = 0  # padding: the eager path answers the mask checks from real values
+    return hf.BertForMaskedLM(config), {
+        "input_ids": _tokens(batch_size, seq_len),
+        "attention_mask": mask,
+        "labels": _tokens(batch_size, seq_len),
+    }
 
 
 def t5(batch_size: int, seq_len: int):
     import transformers as hf
 
-    config = hf.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                         decoder_start_token_id=0)
+    config = hf.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0
+    )
     return _causal_lm(hf.T5ForConditionalGeneration(config), batch_size, seq_len)
 
 
@@ -103,18 +140,35 @@ def vit(batch_size: int, seq_len: int):
     """seq_len is the image side (patches of 4)."""
     import transformers as hf
 
-    config = hf.ViTConfig(image_size=seq_len, patch_size=4, hidden_size=32, intermediate_size=64,
-                          num_hidden_layers=2, num_attention_heads=4, num_labels=10)
-    return hf.ViTForImageClassification(config), {"pixel_values": torch.randn(batch_size, 3, seq_len, seq_len),
-                                                  "labels": torch.randint(0, 10, (batch_size,))}
+    config = hf.ViTConfig(
+        image_size=seq_len,
+        patch_size=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_labels=10,
+    )
+    return hf.ViTForImageClassification(config), {
+        "pixel_values": torch.randn(batch_size, 3, seq_len, seq_len),
+        "labels": torch.randint(0, 10, (batch_size,)),
+    }
 
 
 def _mixtral_config():
     import transformers as hf
 
-    return hf.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                            num_experts_per_tok=2, max_position_embeddings=256)
+    return hf.MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+    )
 
 
 def mixtral(batch_size: int, seq_len: int):
@@ -206,8 +260,12 @@ def _grads(model: nn.Module, inputs) -> list[torch.Tensor | None]:
 
 
 def _same(a: list, b: list) -> bool:
-    return all((x is None and y is None) or (x is not None and y is not None and torch.allclose(x, y, rtol=1e-4, atol=1e-6))
-               for x, y in zip(a, b))
+    def close(x, y) -> bool:
+        if x is None or y is None:
+            return x is None and y is None
+        return torch.allclose(x, y, rtol=1e-4, atol=1e-6)
+
+    return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
 
 
 def measure_zoo_model(name: str, batch_size: int, seq_len: int) -> ZooRow:
@@ -231,9 +289,18 @@ def measure_zoo_model(name: str, batch_size: int, seq_len: int) -> ZooRow:
     finally:
         handle.remove()
     measured = measure_step(model, inputs, config).peak_bytes
-    return ZooRow(name, base.peak_bytes, measured, (base.peak_bytes - measured) / measured, budget,
-                  len(plan.decisions), with_plan, (with_plan - budget) / budget, _same(plain, planned),
-                  round(time.perf_counter() - t0, 2))
+    return ZooRow(
+        name,
+        base.peak_bytes,
+        measured,
+        (base.peak_bytes - measured) / measured,
+        budget,
+        len(plan.decisions),
+        with_plan,
+        (with_plan - budget) / budget,
+        _same(plain, planned),
+        round(time.perf_counter() - t0, 2),
+    )
 
 
 def run(opts: Options) -> list[dict]:
@@ -244,9 +311,18 @@ def run(opts: Options) -> list[dict]:
 def show(rows: list[dict]) -> None:
     print_table(
         "Model zoo: simulated vs real CPU step (fp32 AdamW); plan at 60% from model states to the peak",
-        ["model", "predicted", "measured", "error", "plan budget", "measured with plan", "vs budget",
-         "grads equal"],
-        [[r["model"], format_bytes(r["predicted_bytes"]), format_bytes(r["measured_bytes"]),
-          f"{r['error'] * 100:+.2f}%", format_bytes(r["budget_bytes"]), format_bytes(r["measured_with_plan_bytes"]),
-          f"{r['over_budget'] * 100:+.2f}%", "yes" if r["grads_equal"] else "NO"] for r in rows],
+        ["model", "predicted", "measured", "error", "plan budget", "measured with plan", "vs budget", "grads equal"],
+        [
+            [
+                r["model"],
+                format_bytes(r["predicted_bytes"]),
+                format_bytes(r["measured_bytes"]),
+                f"{r['error'] * 100:+.2f}%",
+                format_bytes(r["budget_bytes"]),
+                format_bytes(r["measured_with_plan_bytes"]),
+                f"{r['over_budget'] * 100:+.2f}%",
+                "yes" if r["grads_equal"] else "NO",
+            ]
+            for r in rows
+        ],
     )

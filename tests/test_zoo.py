@@ -52,8 +52,10 @@ def test_plan_that_caches_a_mutated_tensor_is_refused_naming_module_and_decision
     config = TrainConfig(batch_size=2, seq_len=16)
     plan = _mixtral_plan(config)
     # transformers divides the router's top-k weights in place: caching them cannot work
-    bad = dataclasses.replace(plan, decisions=(Decision("model.layers.0", "recompute"),
-                                               Decision("model.layers.0", "keep", "aten.topk.default#0")))
+    bad = dataclasses.replace(
+        plan,
+        decisions=(Decision("model.layers.0", "recompute"), Decision("model.layers.0", "keep", "aten.topk.default#0")),
+    )
     with pytest.raises(PlanFileError, match=r"module 'model.layers.0' \(recompute keeping aten.topk.default#0\)"):
         dry_run(resolve_spec("benchmarks.zoo:mixtral"), config, bad)
 
@@ -61,12 +63,16 @@ def test_plan_that_caches_a_mutated_tensor_is_refused_naming_module_and_decision
 def test_memplan_apply_refuses_a_failing_plan_in_one_line(tmp_path, capsys):
     config = TrainConfig(batch_size=2, seq_len=16)
     plan = _mixtral_plan(config)
-    bad = dataclasses.replace(plan, decisions=(Decision("model.layers.1", "recompute"),
-                                               Decision("model.layers.1", "keep", "aten.topk.default#0")))
+    bad = dataclasses.replace(
+        plan,
+        decisions=(Decision("model.layers.1", "recompute"), Decision("model.layers.1", "keep", "aten.topk.default#0")),
+    )
     path = tmp_path / "bad.json"
     bad.save(path)
-    code, _, err = run(["apply", "--model", "benchmarks.zoo:mixtral", "--batch-size", "2", "--seq-len", "16",
-                        "--plan", str(path)], capsys)
+    code, _, err = run(
+        ["apply", "--model", "benchmarks.zoo:mixtral", "--batch-size", "2", "--seq-len", "16", "--plan", str(path)],
+        capsys,
+    )
     assert_user_error(code, err, "apply", "model.layers.1", "mutated")
 
 

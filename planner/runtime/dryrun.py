@@ -71,9 +71,7 @@ def planned_errors(plan: Plan) -> Iterator[None]:
 def dry_run(spec: ModelSpec, config: TrainConfig, plan: Plan) -> None:
     """One forward and backward of `spec` on fake tensors with `plan` applied (offload
     decisions left out: they move tensors, not ops); PlanFileError when it fails."""
-    runnable = replace(
-        plan, decisions=tuple(d for d in plan.decisions if d.action != "offload")
-    )
+    runnable = replace(plan, decisions=tuple(d for d in plan.decisions if d.action != "offload"))
     precision = str(plan.config["precision"])
     with fake_model(spec, config.batch_size, config.seq_len, config.moe_imbalance) as (
         model,

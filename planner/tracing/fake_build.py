@@ -30,9 +30,7 @@ def fake_model(
     follows `moe_imbalance` (1.0: balanced), and the key/value cache is off, as in training.
     """
     with ExitStack() as stack:
-        fake_mode = stack.enter_context(
-            FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-        )
+        fake_mode = stack.enter_context(FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True))
         routing = RoutingAssumption(moe_imbalance)
         stack.enter_context(ShadowMode(fake_mode, route=routing))
         with skip_init():

@@ -27,9 +27,7 @@ from planner.tracing.models import random_tokens
 __all__ = ["disable_kv_cache", "eager_transformers", "hf_builder", "skip_init"]
 
 
-def _build_hf(
-    config_path: str, batch_size: int, seq_len: int
-) -> tuple[nn.Module, dict]:
+def _build_hf(config_path: str, batch_size: int, seq_len: int) -> tuple[nn.Module, dict]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(config_path)
@@ -45,20 +43,14 @@ def hf_builder(config_path: str) -> Callable[[int, int], tuple[nn.Module, dict]]
     try:
         import transformers  # noqa: F401
     except ImportError as e:
-        raise SpecError(
-            "hf: specs need the transformers package: pip install transformers"
-        ) from e
+        raise SpecError("hf: specs need the transformers package: pip install transformers") from e
     if not Path(config_path).exists():
-        raise SpecError(
-            f"Hugging Face config {config_path} not found; point hf: at a config.json or its folder"
-        )
+        raise SpecError(f"Hugging Face config {config_path} not found; point hf: at a config.json or its folder")
     return partial(_build_hf, config_path)
 
 
 _INIT_NAMES = tuple(
-    n
-    for n in dir(nn.init)
-    if n.endswith("_") and not n.startswith("_") and callable(getattr(nn.init, n))
+    n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_") and callable(getattr(nn.init, n))
 )
 _HF_IMPORT_UTILS = "transformers.utils.import_utils"
 _HF_INIT = "transformers.initialization"

@@ -20,9 +20,7 @@ from planner.errors import MemplanError
 __all__ = ["RoutingAssumption", "describe_routing", "routed_indices"]
 
 
-def routed_indices(
-    tokens: int, experts: int, top_k: int, imbalance: float
-) -> torch.Tensor:
+def routed_indices(tokens: int, experts: int, top_k: int, imbalance: float) -> torch.Tensor:
     """(tokens, top_k) expert indices, distinct per token: expert 0 is chosen by
     round(imbalance x tokens x top_k / experts) tokens (at most every token), the other experts
     round-robin over the remaining choices."""
@@ -51,49 +49,33 @@ class RoutingAssumption:
 
     def __post_init__(self) -> None:
         if not self.imbalance >= 1.0:
-            raise MemplanError(
-                f"--moe-imbalance must be at least 1.0 (1.0 = balanced), got {self.imbalance!r}"
-            )
+            raise MemplanError(f"--moe-imbalance must be at least 1.0 (1.0 = balanced), got {self.imbalance!r}")
 
-    def __call__(
-        self, func: Any, args: tuple, out: Any
-    ) -> list[torch.Tensor | None] | None:
+    def __call__(self, func: Any, args: tuple, out: Any) -> list[torch.Tensor | None] | None:
         """Shadow for a top-k over the last dimension of float scores: the assumed indices."""
         if str(func) != "aten.topk.default":
             return None
         scores, k = args[0], int(args[1])
         dim = int(args[2]) if len(args) > 2 else -1
-        if (
-            not scores.is_floating_point()
-            or dim not in (-1, scores.dim() - 1)
-            or scores.dim() < 1
-        ):
+        if not scores.is_floating_point() or dim not in (-1, scores.dim() - 1) or scores.dim() < 1:
             return None
         experts = int(scores.shape[-1])
         tokens = int(scores.numel()) // experts
         self.routers += 1
         self.experts, self.top_k, self.tokens = experts, k, tokens
-        indices = routed_indices(tokens, experts, k, self.imbalance).reshape(
-            *scores.shape[:-1], k
-        )
+        indices = routed_indices(tokens, experts, k, self.imbalance).reshape(*scores.shape[:-1], k)
         return [None, indices]
 
     def busiest_rows(self) -> int:
         if not self.experts:
             return 0
-        return int(
-            routed_indices(self.tokens, self.experts, self.top_k, self.imbalance)
-            .eq(0)
-            .sum()
-        )
+        return int(routed_indices(self.tokens, self.experts, self.top_k, self.imbalance).eq(0).sum())
 
     def to_dict(self) -> dict:
         """What goes into the trace's meta, the JSON and the plan."""
         d = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
         d["busiest_expert_rows"] = self.busiest_rows()
-        d["mean_rows_per_expert"] = (
-            self.tokens * self.top_k / self.experts if self.experts else 0
-        )
+        d["mean_rows_per_expert"] = self.tokens * self.top_k / self.experts if self.experts else 0
         return d
 
 

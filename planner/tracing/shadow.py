@@ -37,28 +37,19 @@ _READ_OPS = (
     "aten.equal.default",
 )
 _DYNAMIC_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
-_OWN_DIRS = tuple(
-    os.path.dirname(p) + os.sep for p in (torch.__file__, os.path.dirname(__file__))
-)
+_OWN_DIRS = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__, os.path.dirname(__file__)))
 
 
 def source_line() -> str:
     """'file.py:LINE' of the innermost frame outside torch and memplan's tracing code."""
     for frame in reversed(traceback.extract_stack()):
-        if (
-            not frame.filename.startswith(_OWN_DIRS)
-            and "contextlib" not in frame.filename
-        ):
+        if not frame.filename.startswith(_OWN_DIRS) and "contextlib" not in frame.filename:
             return f"{os.path.basename(frame.filename)}:{frame.lineno} ({(frame.line or '').strip()[:80]})"
     return "an unknown line"
 
 
 def _small(t: torch.Tensor) -> bool:
-    limit = (
-        MAX_SHADOW_FLOAT_NUMEL
-        if t.is_floating_point() or t.is_complex()
-        else MAX_SHADOW_INT_NUMEL
-    )
+    limit = MAX_SHADOW_FLOAT_NUMEL if t.is_floating_point() or t.is_complex() else MAX_SHADOW_INT_NUMEL
     return t.numel() <= limit
 
 
@@ -72,8 +63,7 @@ class ShadowMode(TorchDispatchMode):
     def __init__(
         self,
         fake_mode: FakeTensorMode,
-        route: Callable[[Any, tuple, Any], list[torch.Tensor | None] | None]
-        | None = None,
+        route: Callable[[Any, tuple, Any], list[torch.Tensor | None] | None] | None = None,
     ) -> None:
         super().__init__()
         self.fake_mode = fake_mode
@@ -89,9 +79,7 @@ class ShadowMode(TorchDispatchMode):
         return self.shadows.get(t)
 
     def _all_real(self, args, kwargs) -> tuple[bool, Any, Any]:
-        tensors = [
-            t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-        ]
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(self.real(t) is None for t in tensors):
             return False, None, None
         return True, tree_map(self.real, args), tree_map(self.real, kwargs)
@@ -126,10 +114,7 @@ class ShadowMode(TorchDispatchMode):
         else:
             out = func(*args, **kwargs)
         if dynamic and any(
-            isinstance(d, torch.SymInt)
-            for t in tree_leaves(out)
-            if isinstance(t, torch.Tensor)
-            for d in t.shape
+            isinstance(d, torch.SymInt) for t in tree_leaves(out) if isinstance(t, torch.Tensor) for d in t.shape
         ):
             raise TraceError(
                 f"data-dependent output size at {source_line()}: {name} on a tensor computed "
@@ -142,15 +127,9 @@ class ShadowMode(TorchDispatchMode):
     def _bool_index_as_long(self, index: Any) -> list[Any]:
         """A boolean index with a shadow becomes the long indices of its true elements (what
         indexing does with it), so the result has the size the real mask gives."""
-        if (
-            not isinstance(index, torch.Tensor)
-            or index.dtype != torch.bool
-            or self.real(index) is None
-        ):
+        if not isinstance(index, torch.Tensor) or index.dtype != torch.bool or self.real(index) is None:
             return [index]
-        positions = self._run_real(
-            torch.ops.aten.nonzero.default, (self.real(index),), {}
-        )
+        positions = self._run_real(torch.ops.aten.nonzero.default, (self.real(index),), {})
         return [self._fakeify(p.contiguous()) for p in positions.unbind(1)]
 
     def _fakeify(self, real_out: Any) -> Any:
@@ -167,22 +146,14 @@ class ShadowMode(TorchDispatchMode):
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if not outs:
             return
-        has_inputs = any(
-            isinstance(t, torch.Tensor) for t in tree_leaves((args, rkwargs))
-        )
-        factory_ok = has_inputs or all(
-            not (t.is_floating_point() or t.is_complex()) for t in outs
-        )
+        has_inputs = any(isinstance(t, torch.Tensor) for t in tree_leaves((args, rkwargs)))
+        factory_ok = has_inputs or all(not (t.is_floating_point() or t.is_complex()) for t in outs)
         if have and factory_ok and all(_small(t) for t in outs):
             real_out = self._run_real(func, rargs, rkwargs)
-            for fake, real in zip(
-                outs, [t for t in tree_leaves(real_out) if isinstance(t, torch.Tensor)]
-            ):
+            for fake, real in zip(outs, [t for t in tree_leaves(real_out) if isinstance(t, torch.Tensor)]):
                 self.shadows[fake] = real
             return
-        if (
-            func._schema.is_mutable
-        ):  # an in-place op on data without shadows: shadows go stale
+        if func._schema.is_mutable:  # an in-place op on data without shadows: shadows go stale
             for t in tree_leaves(args):
                 if isinstance(t, torch.Tensor) and t in self.shadows:
                     del self.shadows[t]
