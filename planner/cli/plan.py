@@ -24,7 +24,9 @@ def register(add) -> None:
     p.add_argument("--budget", help="peak-memory budget, e.g. 40GiB or 123456789B (default: GPU capacity less --reserve)")
     p.add_argument("--reserve", type=float, default=0.05, help="fraction of the GPU kept free when --budget is not given")
     p.add_argument("--offload", default="none", help="allow offloading to: none, cpu, disk")
-    p.add_argument("--strategy", default="optimal", help="optimal, none, full, every-N (e.g. every-2), sqrt, selective")
+    p.add_argument("--strategy", default="optimal",
+                   help="optimal, none, full, every-N (e.g. every-2), sqrt, op-sac (torch's op-level SAC), "
+                        "op-sac-alt (torchtitan's: also recomputes every second matmul), megatron-selective")
     p.add_argument("--keep", action="append", default=[], metavar="GLOB", help="never recompute modules matching GLOB")
     p.add_argument("--recompute", action="append", default=[], metavar="GLOB", help="always recompute modules matching GLOB")
     p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds")
