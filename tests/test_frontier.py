@@ -10,7 +10,7 @@ import pytest
 
 from costmodels.hardware import get_device
 from planner.config import TrainConfig
-from planner.simulation.costs import category_scale, op_times
+from planner.simulation.costs import op_times, storage_bytes
 from planner.simulation.effects import SpanChoice
 from planner.solver.baselines import block_spans
 from planner.solver.options import OptionEffect, block_options, option_effect
@@ -28,13 +28,23 @@ def _dominates(a: OptionEffect | None, b: OptionEffect | None) -> bool:
     da, db = np.zeros(hi - lo, dtype=np.int64), np.zeros(hi - lo, dtype=np.int64)
     da[a.lo - lo : a.hi - lo] = a.delta
     db[b.lo - lo : b.hi - lo] = b.delta
-    return (bool(np.all(da <= db)) and a.replay_at == b.replay_at and a.replay_peak <= b.replay_peak
-            and a.cost_s <= b.cost_s * (1 + 1e-9) and a.offload_bytes <= b.offload_bytes)
+    replay_a, replay_b = (-(2**62) if e.replay_peak is None else e.replay_peak for e in (a, b))  # None: no replay
+    return (
+        bool(np.all(da <= db))
+        and a.replay_at == b.replay_at
+        and replay_a <= replay_b
+        and a.cost_s <= b.cost_s * (1 + 1e-9)
+        and a.offload_bytes <= b.offload_bytes
+    )
 
 
 def _known_policies(graph, span) -> dict[str, SpanChoice | None]:
-    out = {"none": None, "full": SpanChoice(span, "recompute"), "op-sac": op_sac_choice(graph, span),
-           "op-sac-alt": op_sac_alt_choice(graph, span)}
+    out = {
+        "none": None,
+        "full": SpanChoice(span, "recompute"),
+        "op-sac": op_sac_choice(graph, span),
+        "op-sac-alt": op_sac_alt_choice(graph, span),
+    }
     megatron = attention_core_choice(graph, span)
     if megatron is not None:
         out["megatron-selective"] = megatron
@@ -45,7 +55,7 @@ def _known_policies(graph, span) -> dict[str, SpanChoice | None]:
 def test_options_hold_the_known_policies(model, traced):
     config = TrainConfig(batch_size=2, seq_len=MODELS[model])
     graph = traced(f"{PATH}:{model}", 2, MODELS[model])
-    device, scale = get_device(config.gpu), category_scale(graph, config)
+    device, sizes = get_device(config.gpu), storage_bytes(graph, config)
     times = op_times(graph, device)
     signatures = {}
     for region, span in zip(graph.regions, block_spans(graph)):
@@ -54,9 +64,9 @@ def test_options_hold_the_known_policies(model, traced):
     missing = []
     for span in signatures.values():
         options = block_options(graph, span, times, None)
-        effects = [None if o.choice is None else option_effect(graph, o.choice, times, device, scale) for o in options]
+        effects = [None if o.choice is None else option_effect(graph, o.choice, times, device, sizes) for o in options]
         for name, policy in _known_policies(graph, span).items():
-            effect = None if policy is None else option_effect(graph, policy, times, device, scale)
+            effect = None if policy is None else option_effect(graph, policy, times, device, sizes)
             held = any(o.choice == policy or _dominates(e, effect) for o, e in zip(options, effects))
             if not held:
                 missing.append(f"{span.path}: {name}")
