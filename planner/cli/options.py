@@ -8,9 +8,9 @@ from pathlib import Path
 
 from costmodels.hardware import DEVICES
 from costmodels.memory import OPTIMIZERS, PRECISIONS
-from planner.config import TrainConfig
+from planner.config import MP_DTYPES, TrainConfig
 
-__all__ = ["positive_int", "seq_lens", "add_model_options", "config_from_args", "write_json"]
+__all__ = ["positive_int", "reshard_after_forward", "seq_lens", "add_model_options", "config_from_args", "write_json"]
 
 
 def positive_int(text: str) -> int:
@@ -21,6 +21,13 @@ def positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def reshard_after_forward(text: str) -> bool | int:
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    return positive_int(text)
 
 
 def seq_lens(text: str) -> list[int]:
@@ -40,6 +47,15 @@ def add_model_options(p: argparse.ArgumentParser, sweep: bool = True, default_gp
     p.add_argument("--optimizer", default="adamw", help="one of: " + ", ".join(OPTIMIZERS))
     p.add_argument("--zero", type=int, default=0, dest="zero_stage", help="ZeRO stage 0-3 (3 = FSDP full shard)")
     p.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree")
+    p.add_argument("--reshard-after-forward", type=reshard_after_forward, default=True, metavar="true|false|N",
+                   help="FSDP2 (--zero 3): free each block's gathered parameters after its forward (true), "
+                        "keep them until its backward (false) or keep a 1/N shard")
+    p.add_argument("--mp-param-dtype", choices=sorted(MP_DTYPES), default=None,
+                   help="FSDP2 MixedPrecisionPolicy param_dtype (bfloat16 = --precision bf16-mixed)")
+    p.add_argument("--mp-reduce-dtype", choices=sorted(MP_DTYPES), default=None,
+                   help="FSDP2 MixedPrecisionPolicy reduce_dtype (default: the param dtype, as FSDP2)")
+    p.add_argument("--cpu-offload", action="store_true",
+                   help="FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer states on the host")
     p.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
                    help="mixture-of-experts routing the trace assumes: the busiest expert gets F times "
                         "the mean tokens per expert (1.0: balanced)")
@@ -53,7 +69,9 @@ def config_from_args(args, seq_len: int | None = None) -> TrainConfig:
     seq = seq_len if seq_len is not None else (args.seq_len[0] if isinstance(args.seq_len, list) else args.seq_len)
     return TrainConfig(batch_size=args.batch_size, seq_len=seq, precision=args.precision,
                        optimizer=args.optimizer, zero_stage=args.zero_stage, dp=args.dp, gpu=args.gpu,
-                       moe_imbalance=args.moe_imbalance,
+                       moe_imbalance=args.moe_imbalance, reshard_after_forward=args.reshard_after_forward,
+                       mp_param_dtype=args.mp_param_dtype, mp_reduce_dtype=args.mp_reduce_dtype,
+                       cpu_offload=args.cpu_offload,
                        blocks=tuple(g.strip() for g in args.blocks.split(",") if g.strip()))
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -76,5 +76,8 @@ def storage_bytes(graph: OpGraph, config: TrainConfig) -> dict[int, int]:
 def model_states_for(graph: OpGraph, config: TrainConfig) -> ModelStates:
     precision = get_precision(config.precision)
     foreach = get_device(config.gpu).is_cuda
-    return model_state_bytes(graph.param_shapes, precision, config.optimizer, config.zero_stage,
-                             config.dp, foreach=foreach)
+    states = model_state_bytes(graph.param_shapes, precision, config.optimizer, config.zero_stage,
+                               config.dp, foreach=foreach)
+    if config.cpu_offload:  # FSDP2 CPUOffloadPolicy: sharded states and the optimizer step live on the host
+        return replace(states, parameter=0, gradient=0, optimizer=0, optimizer_step_temporary=0)
+    return states
