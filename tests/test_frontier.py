@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from models_for_tests import PATH
 
 from costmodels.hardware import get_device
 from planner.config import TrainConfig
@@ -15,7 +16,6 @@ from planner.simulation.effects import SpanChoice
 from planner.solver.baselines import block_spans
 from planner.solver.options import OptionEffect, block_options, option_effect
 from planner.solver.policies import attention_core_choice, op_sac_alt_choice, op_sac_choice
-from models_for_tests import PATH
 
 MODELS = {"gpt_small": 64, "llama_small": 64, "resnet_small": 16}  # spec -> seq_len (image side for ResNet)
 
