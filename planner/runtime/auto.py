@@ -1,0 +1,429 @@
+"""Plan a live model in one line: trace it on fake copies of its inputs, solve, apply.
+
+    handle = planner.auto_checkpoint(model, (ids, labels), "60%")   # or 8 * 2**30, or "8GiB"
+    handle.set_budget("6GiB")                                         # from the next forward on
+
+Nothing real is allocated by planning: a fake copy of the model (parameters become fake CPU
+tensors of the same shapes and dtypes, wherever the real ones live, meta included) runs one step
+on fake copies of the batch. With `seq_lens` the handle follows the batch's sequence length: a
+batch uses the plan of the smallest planned length at least as long; a longer batch is traced at
+its own length (fake copies of that batch) and solved, and the plan is cached.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
+from typing import Any, Self
+
+import torch
+from torch import nn
+from torch._subclasses import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
+
+from costmodels.hardware import DEVICES
+from costmodels.memory import get_precision
+from planner.config import TrainConfig
+from planner.errors import MemplanError, TraceError
+from planner.plans.format import Plan, PlanLadder
+from planner.runtime.apply import PlanHandle, apply_plan, batch_seq_len
+from planner.simulation.step import simulate
+from planner.solver.planning import solve
+from planner.tracing.graph import OpGraph
+from planner.tracing.hf import disable_kv_cache, eager_transformers
+from planner.tracing.moe import RoutingAssumption
+from planner.tracing.recorder import trace_model
+from planner.tracing.shadow import ShadowMode
+from planner.units import parse_bytes
+
+__all__ = ["AutoHandle", "LiveTracer", "auto_checkpoint", "config_for", "parse_budget", "plan_for"]
+
+_CONFIG_FIELDS = ("precision", "optimizer", "zero_stage", "dp", "gpu")
+_PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+# CUDA device names (torch.cuda.get_device_name) -> memplan device, longest match first.
+_GPU_NAMES = (("H200", "h200"), ("H100", "h100-80gb"), ("L40S", "l40s"), ("MI300X", "mi300x"))
+
+
+def parse_budget(budget: int | str, baseline_peak_bytes: int) -> int:
+    """Bytes from an int, a size with a unit ('8GiB') or a percentage of the no-plan peak ('60%')."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
+        raise MemplanError(
+            f"budget must be bytes (int), a size such as '8GiB' or a percentage of the "
+            f"no-plan peak such as '60%', got {budget!r}"
+        )
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise MemplanError(f"budget must be positive, got {budget}")
+        return budget
+    text = budget.strip()
+    if text.endswith("%"):
+        try:
+            percent = float(text[:-1])
+        except ValueError:
+            percent = -1.0
+        if not 0 < percent <= 100:
+            raise MemplanError(f"budget percentage must be in (0, 100], got '{budget}'")
+        return int(baseline_peak_bytes * percent / 100)
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise MemplanError(str(exc)) from exc
+
+
+def _gpu_of(model: nn.Module) -> str:
+    param = next(model.parameters(), None)
+    if param is None or param.device.type in ("cpu", "meta"):
+        return "cpu"
+    name = torch.cuda.get_device_name(param.device) if param.device.type == "cuda" else str(param.device)
+    if "A100" in name:
+        total = torch.cuda.get_device_properties(param.device).total_memory
+        return "a100-80gb" if total > 48 * 2**30 else "a100-40gb"
+    for key, device in _GPU_NAMES:
+        if key in name:
+            return device
+    raise MemplanError(f"memplan has no cost model for device '{name}'; pass gpu= one of {', '.join(DEVICES)}")
+
+
+def config_for(model: nn.Module, inputs: tuple | dict, **config: Any) -> TrainConfig:
+    """The TrainConfig of one step: shapes from the inputs, precision and gpu from the model unless given."""
+    unknown = sorted(set(config) - set(_CONFIG_FIELDS))
+    if unknown:
+        raise MemplanError(f"unknown option(s) {', '.join(unknown)}; pass any of {', '.join(_CONFIG_FIELDS)}")
+    tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+    if not tensors:
+        raise MemplanError("the inputs hold no tensor; pass the example batch as a tuple or dict of tensors")
+    batch_size = int(tensors[0].shape[0]) if tensors[0].dim() else 1
+    args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
+    seq_len = batch_seq_len(args, kwargs) if any(t.dim() >= 2 for t in tensors) else 1
+    if "precision" not in config:
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        if dtype not in _PRECISION_OF_DTYPE:
+            raise MemplanError(f"parameters are {dtype}; pass precision= one of fp32, bf16, bf16-mixed, fp16-mixed")
+        config["precision"] = _PRECISION_OF_DTYPE[dtype]
+    config.setdefault("gpu", _gpu_of(model))
+    try:
+        return TrainConfig(batch_size=batch_size, seq_len=seq_len, **config)
+    except MemplanError:
+        raise
+    except ValueError as exc:
+        raise MemplanError(str(exc)) from exc
+
+
+def _as_inputs(inputs: Any) -> tuple | dict:
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs)
+    if isinstance(inputs, Mapping):
+        return dict(inputs)
+    raise MemplanError(
+        f"inputs must be a tensor, a tuple of positional or a dict of keyword arguments, got {type(inputs).__name__}"
+    )
+
+
+class LiveTracer:
+    """Traces a live model at the shapes of real batches, on a fake copy made once (no real memory)."""
+
+    def __init__(self, model: nn.Module, precision: str, *, name: str = "model", blocks: Sequence[str] = ()) -> None:
+        if any(getattr(m.__dict__.get("forward"), "_memplan_wrapper", False) for m in model.modules()):
+            raise MemplanError("this model already has a memplan plan applied; call remove() on its handle first")
+        param_dtype = get_precision(precision).param_dtype
+        dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        if dtypes and dtypes != {param_dtype}:
+            raise MemplanError(
+                f"precision '{precision}' keeps parameters in {param_dtype} but the model's are "
+                f"{', '.join(sorted(map(str, dtypes)))}; cast the model or pass another precision"
+            )
+        self.precision = precision
+        self.name = name
+        self.blocks = tuple(blocks)
+        self.fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+        self.shadow = ShadowMode(self.fake_mode, route=RoutingAssumption(1.0))
+        memo: dict[int, Any] = {}
+        with self.fake_mode:
+            for t in [*model.parameters(), *model.buffers()]:
+                fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
+                memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+        try:
+            self.fake_model = copy.deepcopy(model, memo)
+        except Exception as exc:
+            raise TraceError(
+                f"cannot copy the model for tracing ({type(exc).__name__}: {exc}); "
+                "plan it from a spec with planner.trace instead"
+            ) from exc
+        disable_kv_cache(self.fake_model)
+        self.fake_model.train()
+        self.fake_inputs: dict[int, tuple | dict] = {}  # seq_len -> the fake batch last traced there
+
+    def _fake(self, t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor):
+            return t
+        if t.is_floating_point() or t.is_complex():
+            with self.fake_mode:
+                return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
+        real = t.detach().to("cpu")  # ids, positions, masks: small, and their values steer the forward
+        fake = self.fake_mode.from_tensor(real, static_shapes=True)
+        self.shadow.shadows[fake] = real
+        return fake
+
+    def trace(self, inputs: tuple | dict, precision: str | None = None) -> OpGraph:
+        """One forward, loss and backward of the fake copy on fake copies of `inputs` (real or fake)."""
+        for p in self.fake_model.parameters():
+            p.grad = None
+        with ExitStack() as stack:
+            stack.enter_context(_disable_current_modes())  # a monitor's live-bytes counter must not see this
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(torch.autocast("cpu", enabled=False))
+            fake_inputs = tree_map(self._fake, inputs)
+            stack.enter_context(self.fake_mode)
+            stack.enter_context(self.shadow)
+            stack.enter_context(eager_transformers())
+            graph = trace_model(
+                self.fake_model, fake_inputs, precision=precision or self.precision, name=self.name, blocks=self.blocks
+            )
+        for p in self.fake_model.parameters():
+            p.grad = None
+        tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+        args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
+        seq_len = batch_seq_len(args, kwargs) if any(t.dim() >= 2 for t in tensors) else 1
+        graph.meta.update(batch_size=int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 1, seq_len=seq_len)
+        self.fake_inputs[seq_len] = fake_inputs
+        return graph
+
+    def retrace(self, seq_len: int, batch_size: int, precision: str | None = None) -> OpGraph:
+        """Trace again the batch last traced at `seq_len`, cut to its first `batch_size` samples."""
+        inputs = self.fake_inputs[seq_len]
+        first = next(t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor))
+        full = int(first.shape[0]) if first.dim() else 1
+
+        def cut(t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == full:
+                return t[:batch_size].clone()
+            return t
+
+        with self.fake_mode, self.shadow:
+            smaller = tree_map(cut, inputs)
+        return self.trace(smaller, precision)
+
+
+class AutoHandle:
+    """A live model's plans: one per planned sequence length, re-solved when the budget changes.
+
+    `budget_bytes` is the user's budget; plans are solved for `target_bytes` (at most the budget),
+    which a MemoryMonitor with adapt=True lowers to keep a reserve and raises back. A change takes
+    effect at the next forward of the model, never inside a step.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tracer: LiveTracer,
+        config: TrainConfig,
+        graphs: Mapping[int, OpGraph],
+        budget: int | str,
+        *,
+        follow: bool = False,
+        solve_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.tracer = tracer
+        self.config = config
+        self.follow = follow
+        self.solve_options = dict(solve_options or {})
+        self._graphs: dict[int, OpGraph] = dict(graphs)
+        self._plans: dict[tuple[int, int], Plan] = {}
+        baseline = simulate(self._graphs[config.seq_len], config)
+        self.baseline_peak_bytes = baseline.peak_bytes
+        self.model_states_bytes = sum(baseline.model_states.values())
+        self.budget_bytes = parse_budget(budget, self.baseline_peak_bytes)
+        self.target_bytes = self.budget_bytes
+        self.seq_len = config.seq_len  # the planned length whose plan is in force
+        self.last_seq_len: int | None = None  # the last training batch's length (when following)
+        self._events: list[dict[str, Any]] = []
+        self._in_force = self.plan_at(config.seq_len)
+        self._applied: PlanHandle = apply_plan(model, self._in_force)
+        self._installed = self._in_force
+        self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+
+    # -- plans --------------------------------------------------------------------------------
+    @property
+    def planned_lengths(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def graph_at(self, seq_len: int) -> OpGraph:
+        return self._graphs[seq_len]
+
+    def plan_at(self, seq_len: int, target_bytes: int | None = None) -> Plan:
+        """The plan for a planned length under a target (default the current one); solved once, cached."""
+        target = self.target_bytes if target_bytes is None else target_bytes
+        key = (seq_len, target)
+        if key not in self._plans:
+            graph = self._graphs[seq_len]
+            config = self.config.with_(seq_len=seq_len, batch_size=int(graph.meta["batch_size"]))
+            self._plans[key] = solve(graph, config, target, **self.solve_options)
+        return self._plans[key]
+
+    @property
+    def plan(self) -> Plan:
+        """The plan in force: the one the next forward uses unless the batch's length changes."""
+        return self._in_force
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self._in_force.predicted.peak_bytes
+
+    def bucket_for(self, seq_len: int) -> int | None:
+        """The smallest planned length at least `seq_len`; None when every planned one is shorter."""
+        return next((n for n in self.planned_lengths if n >= seq_len), None)
+
+    def set_budget(self, budget: int | str) -> Plan:
+        """Re-plan for a new budget (bytes, '6GiB' or a percentage of the example's no-plan peak)
+        from the cached traces; the next forward uses it. Returns the plan for the current length."""
+        budget_bytes = parse_budget(budget, self.baseline_peak_bytes)
+        self._in_force = self.plan_at(self.seq_len, budget_bytes)
+        self.budget_bytes = self.target_bytes = budget_bytes
+        return self._in_force
+
+    def set_target(self, target_bytes: int) -> Plan:
+        """Solve plans for `target_bytes` (capped at the budget) from now on: the monitor's lever."""
+        target = min(int(target_bytes), self.budget_bytes)
+        self._in_force = self.plan_at(self.seq_len, target)
+        self.target_bytes = target
+        return self._in_force
+
+    # -- following the batch ----------------------------------------------------------------
+    def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not torch.is_grad_enabled():
+            return  # evaluation saves nothing for backward: any plan will do
+        if self.follow:
+            seq_len = batch_seq_len(args, kwargs)
+            self.last_seq_len = seq_len
+            bucket = self.bucket_for(seq_len)
+            traced = bucket is None
+            if traced:
+                if args and kwargs:
+                    raise MemplanError(
+                        "cannot trace a batch passed both positionally and by keyword; "
+                        "pass seq_lens= covering every length instead"
+                    )
+                self._graphs[seq_len] = self.tracer.trace(tuple(args) if args else dict(kwargs))
+                bucket = seq_len
+            if bucket != self.seq_len:
+                reason = f"sequence length {seq_len}: plan for length {bucket}"
+                self._events.append(
+                    {
+                        "reason": reason + (" (traced and solved now)" if traced else ""),
+                        "from_seq_len": self.seq_len,
+                        "plan_seq_len": bucket,
+                    }
+                )
+            self.seq_len = bucket
+            self._in_force = self.plan_at(bucket)
+        if self._in_force is not self._installed:
+            self._applied.use_plan(self._in_force)
+            self._installed = self._in_force
+
+    def drain_events(self) -> list[dict[str, Any]]:
+        """Plan switches made by following the sequence length since the last call (for a monitor)."""
+        events, self._events = self._events, []
+        return events
+
+    def remove(self) -> None:
+        """Restore the model (idempotent)."""
+        self._hook.remove()
+        self._applied.remove()
+
+    @property
+    def removed(self) -> bool:
+        return self._applied.removed
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def _at_length(inputs: tuple | dict, seq_len: int, new_len: int) -> tuple | dict:
+    """The example batch stretched along dim 1 to `new_len` (values tiled, so ids stay valid)."""
+
+    def stretch(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[1] != seq_len:
+            return t
+        reps = -(-new_len // seq_len)
+        return t.repeat(1, reps, *([1] * (t.dim() - 2)))[:, :new_len]
+
+    return tree_map(stretch, inputs)
+
+
+def _trace_all(
+    model: nn.Module,
+    inputs: Any,
+    seq_lens: Sequence[int] | PlanLadder,
+    blocks: Sequence[str],
+    config: Mapping[str, Any],
+) -> tuple[TrainConfig, LiveTracer, dict[int, OpGraph]]:
+    inputs = _as_inputs(inputs)
+    train_config = config_for(model, inputs, **config)
+    tracer = LiveTracer(model, train_config.precision, name=type(model).__name__, blocks=blocks)
+    graphs = {train_config.seq_len: tracer.trace(inputs)}
+    lengths = [n for n, _ in seq_lens.buckets] if isinstance(seq_lens, PlanLadder) else list(seq_lens)
+    for n in lengths:
+        if not isinstance(n, int) or n <= 0:
+            raise MemplanError(f"seq_lens must be positive integers, got {n!r}")
+        if n not in graphs:
+            stretched = _at_length(inputs, train_config.seq_len, n)
+            graphs[n] = tracer.trace(stretched)
+    return train_config, tracer, graphs
+
+
+def plan_for(
+    model: nn.Module,
+    inputs: Any,
+    budget: int | str,
+    *,
+    blocks: Sequence[str] = (),
+    offload: str | None = None,
+    time_limit_s: float = 10.0,
+    **config: Any,
+) -> Plan:
+    """The plan auto_checkpoint would apply, without applying it (see auto_checkpoint)."""
+    train_config, _, graphs = _trace_all(model, inputs, (), blocks, config)
+    graph = graphs[train_config.seq_len]
+    budget_bytes = parse_budget(budget, simulate(graph, train_config).peak_bytes)
+    return solve(graph, train_config, budget_bytes, offload=offload, time_limit_s=time_limit_s)
+
+
+def auto_checkpoint(
+    model: nn.Module,
+    inputs: Any,
+    budget: int | str,
+    *,
+    seq_lens: Sequence[int] | PlanLadder = (),
+    blocks: Sequence[str] = (),
+    offload: str | None = None,
+    time_limit_s: float = 10.0,
+    **config: Any,
+) -> AutoHandle:
+    """Trace `model` on fake copies of `inputs`, solve under `budget` and apply the plan.
+
+    `budget`: bytes, a size such as '8GiB', or a percentage of the no-plan peak such as '60%'.
+    `config`: TrainConfig fields (precision, optimizer, zero_stage, dp, gpu); precision and gpu
+    default to the model's dtype and device, shapes come from `inputs`. With `seq_lens` (a list or
+    a PlanLadder's lengths) the handle follows the batch's sequence length (dim 1 of its first
+    tensor with 2+ dims), and solves and caches a plan for any longer batch it meets.
+    """
+    train_config, tracer, graphs = _trace_all(model, inputs, seq_lens, blocks, config)
+    follow = bool(list(seq_lens.buckets) if isinstance(seq_lens, PlanLadder) else list(seq_lens))
+    return AutoHandle(
+        model,
+        tracer,
+        train_config,
+        graphs,
+        budget,
+        follow=follow,
+        solve_options={"offload": offload, "time_limit_s": time_limit_s},
+    )

@@ -1,0 +1,125 @@
+"""planner.runtime.auto: plan a live model in one line, re-plan for a new budget, follow lengths."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models_for_tests import gpt_small, llama_small, resnet_small
+
+from planner.errors import InfeasibleBudget, MemplanError
+from planner.runtime.auto import auto_checkpoint, config_for, parse_budget, plan_for
+from planner.runtime.verify import measure_step
+from planner.tracing.recorder import loss_of
+
+# (builder, batch, seq): shapes where the solver's cheapest plan fills the budget to within 2%
+CASES = [(llama_small, 2, 128), (gpt_small, 4, 64), (resnet_small, 2, 16)]
+
+
+def _grads(model, inputs):
+    for p in model.parameters():
+        p.grad = None
+    loss_of(model(*inputs)).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("build,batch,seq", CASES, ids=[c[0].__name__ for c in CASES])
+def test_budget_60_percent_is_met_with_same_grads_and_lower_budget_holds(build, batch, seq):
+    torch.manual_seed(0)
+    reference, inputs = build(batch, seq)
+    model = copy.deepcopy(reference)
+    handle = auto_checkpoint(model, inputs, "100%")
+    states, baseline = handle.model_states_bytes, handle.baseline_peak_bytes
+    budget = int(states + 0.6 * (baseline - states))
+    handle.set_budget(budget)
+    assert handle.plan.decisions, "a plan at 60% must recompute something"
+    for got, want in zip(_grads(model, inputs), _grads(reference, inputs), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    measured = measure_step(model, inputs, handle.config).peak_bytes
+    assert 0.98 * budget <= measured <= budget, (measured, budget)
+
+    with pytest.raises(InfeasibleBudget) as infeasible:
+        handle.set_budget(states)
+    assert handle.budget_bytes == budget  # a failed re-plan changes nothing
+    lower = (infeasible.value.smallest_peak_bytes + measured) // 2
+    plan = handle.set_budget(lower)
+    assert plan is handle.plan and plan.budget_bytes == lower == handle.budget_bytes
+    assert measure_step(model, inputs, handle.config).peak_bytes <= lower
+    handle.remove()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_set_budget_waits_for_the_next_forward():
+    torch.manual_seed(0)
+    reference, inputs = llama_small(2, 64)
+    model = copy.deepcopy(reference)
+    handle = auto_checkpoint(model, inputs, "100%")
+    assert not handle.plan.decisions
+    loss = loss_of(model(*inputs))
+    states = handle.model_states_bytes
+    tight = handle.set_budget(int(states + 0.5 * (handle.baseline_peak_bytes - states)))  # inside the step
+    assert tight.decisions and not handle._applied._active
+    loss.backward()
+    assert handle._applied._active == {}
+    _grads(model, inputs)
+    assert handle._applied._active, "the next forward runs the new plan"
+    for got, want in zip(_grads(model, inputs), _grads(reference, inputs), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    handle.remove()
+
+
+def test_follows_sequence_length_and_caches_longer_ones():
+    torch.manual_seed(0)
+    model, inputs = llama_small(2, 32)
+    handle = auto_checkpoint(model, inputs, 10**12, seq_lens=[32, 64])
+    assert handle.planned_lengths == [32, 64]
+    ids = torch.randint(0, 64, (2, 48))
+    model(ids, ids)
+    assert handle.seq_len == 64 and handle.last_seq_len == 48  # the smallest planned length >= 48
+    ids = torch.randint(0, 64, (2, 80))
+    model(ids, ids)
+    assert handle.planned_lengths == [32, 64, 80] and handle.seq_len == 80
+    events = handle.drain_events()
+    assert [e["plan_seq_len"] for e in events] == [64, 80] and "traced" in events[1]["reason"]
+    graph = handle.graph_at(80)
+    model(ids, ids)
+    assert handle.graph_at(80) is graph and not handle.drain_events()
+    handle.remove()
+
+
+def test_plan_for_applies_nothing_and_works_on_meta_parameters():
+    with torch.device("meta"):
+        model, _ = gpt_small(8, 64)
+    inputs = gpt_small(8, 64)[1]
+    plan = plan_for(model, inputs, "80%")
+    assert plan.decisions and plan.predicted.peak_bytes <= plan.budget_bytes
+    assert plan.config["gpu"] == "cpu" and plan.config["seq_len"] == 64 and plan.config["batch_size"] == 8
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_budget_forms_and_errors():
+    assert parse_budget(1000, 4000) == 1000
+    assert parse_budget("60%", 4000) == 2400
+    assert parse_budget("1KiB", 4000) == 1024
+    for bad in ("abc", 0, "150%", "0%", True, 1.5):
+        with pytest.raises(MemplanError):
+            parse_budget(bad, 4000)
+
+
+def test_config_defaults_and_bad_options():
+    model, inputs = llama_small(2, 128)
+    config = config_for(model, inputs)
+    assert (config.batch_size, config.seq_len, config.precision, config.gpu) == (2, 128, "fp32", "cpu")
+    assert config_for(model, inputs, optimizer="sgd").optimizer == "sgd"
+    with pytest.raises(MemplanError, match="unknown option"):
+        config_for(model, inputs, batch=3)
+    with pytest.raises(MemplanError, match="precision"):
+        auto_checkpoint(model, inputs, "80%", precision="bf16")
+    with pytest.raises(MemplanError, match="inputs"):
+        auto_checkpoint(model, "not a batch", "80%")
+    handle = auto_checkpoint(model, inputs, "80%")
+    with pytest.raises(MemplanError, match="already has a memplan plan"):
+        auto_checkpoint(model, inputs, "80%")
+    handle.remove()
