@@ -1,0 +1,146 @@
+"""Blocks wherever they live: attribute layers, ModuleList layers, custom containers and mixes are
+found by structure (or named with --blocks), and a plan at any feasible budget applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from planner.config import TrainConfig
+from planner.errors import TraceError
+from planner.runtime.apply import apply_plan
+from planner.simulation.step import simulate
+from planner.solver.baselines import strategy_choices
+from planner.solver.planning import solve
+from planner.tracing.blocks import find_region_paths
+from planner.tracing.recorder import loss_of, run_step_inputs, trace
+from planner.tracing.specs import ModelSpec
+
+WIDTH = 16
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Holder(nn.Module):
+    """A custom container: layers as attributes `block0`, `block1`, ..."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+        for i in range(n):
+            setattr(self, f"block{i}", Layer())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(self.n):
+            x = getattr(self, f"block{i}")(x)
+        return x
+
+
+class Stack(nn.Module):
+    """Groups of layers in one of three forms, in order: attributes, a ModuleList, a Holder."""
+
+    def __init__(self, groups: list[tuple[str, int]]) -> None:
+        super().__init__()
+        self.stem = nn.Linear(WIDTH, WIDTH)
+        self.parts: list[str] = []
+        for g, (kind, n) in enumerate(groups):
+            if kind == "attributes":
+                for i in range(n):
+                    setattr(self, f"layer{g}_{i}", Layer())
+                    self.parts.append(f"layer{g}_{i}")
+            else:
+                setattr(self, f"group{g}", nn.ModuleList(Layer() for _ in range(n)) if kind == "list" else Holder(n))
+                self.parts.append(f"group{g}")
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for name in self.parts:
+            part = getattr(self, name)
+            if isinstance(part, nn.ModuleList):
+                for layer in part:
+                    x = layer(x)
+            else:
+                x = part(x)
+        return self.head(x).pow(2).mean()
+
+
+def _expected_blocks(groups: list[tuple[str, int]]) -> list[str]:
+    out: list[str] = []
+    for g, (kind, n) in enumerate(groups):
+        if kind == "attributes":
+            out += [f"layer{g}_{i}" for i in range(n)]
+        elif kind == "list":
+            out += [f"group{g}.{i}" for i in range(n)]
+        else:
+            out += [f"group{g}.block{i}" for i in range(n)]
+    return out
+
+
+groups_strategy = st.lists(
+    st.tuples(st.sampled_from(["attributes", "list", "holder"]), st.integers(2, 3)), min_size=1, max_size=2
+)
+
+
+def _grads(model: nn.Module, inputs) -> list[torch.Tensor]:
+    for p in model.parameters():
+        p.grad = None
+    loss_of(run_step_inputs(model, inputs)).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(groups=groups_strategy, fraction=st.floats(0.0, 1.0))
+def test_blocks_are_found_and_a_feasible_plan_applies(groups, fraction):
+    def build(batch_size: int, seq_len: int):
+        return Stack(groups), (torch.randn(batch_size, seq_len, WIDTH),)
+
+    assert find_region_paths(Stack(groups)) == _expected_blocks(groups)
+    config = TrainConfig(batch_size=2, seq_len=16)
+    graph = trace(ModelSpec("stack", "random stack", build), batch_size=2, seq_len=16)
+    assert [r.path for r in graph.regions] == _expected_blocks(groups)
+    peak = simulate(graph, config).peak_bytes
+    lowest = simulate(graph, config, choices=strategy_choices(graph, "full")).peak_bytes
+    plan = solve(graph, config, int(lowest + fraction * (peak - lowest)))
+    torch.manual_seed(0)
+    model, inputs = build(2, 16)
+    plain = _grads(model, inputs)
+    handle = apply_plan(model, plan)
+    planned = _grads(model, inputs)
+    handle.remove()
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(plain, planned))
+
+
+def test_blocks_glob_names_the_blocks_and_an_unmatched_glob_says_what_exists():
+    model = Stack([("attributes", 2), ("list", 2)])
+    assert find_region_paths(model, ["group1.*"]) == ["group1.0", "group1.1"]
+    assert find_region_paths(model, ["layer*", "group1"]) == ["layer0_0", "layer0_1", "group1"]
+    with pytest.raises(TraceError, match="matches no module.*stem, layer0_0"):
+        find_region_paths(model, ["decoder.*"])
+
+
+def test_repeated_stacks_holding_blocks_give_their_blocks():
+    class EncoderDecoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = Holder(2)
+            self.decoder = Holder(2)
+
+    assert find_region_paths(EncoderDecoder()) == [
+        "encoder.block0",
+        "encoder.block1",
+        "decoder.block0",
+        "decoder.block1",
+    ]

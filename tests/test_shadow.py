@@ -1,0 +1,78 @@
+"""Real values for small integer/bool tensors on the fake trace (tracing/shadow.py), weight init
+skipped while building (tracing/hf.py), and one-line errors for other data-dependent control flow."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from planner.errors import TraceError
+from planner.tracing.recorder import trace
+from planner.tracing.specs import ModelSpec
+
+
+class MaskBranch(nn.Module):
+    """Runs an extra masking op only when the mask has padding, and reads a position as a Python int."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        nn.init.trunc_normal_(self.proj.weight)  # loops on data values: cannot run on fake tensors
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        if not torch.all(mask == 1):
+            h = h.masked_fill(mask[..., None] == 0, 0.0)
+        last = int(mask.sum(dim=1).max().item())
+        return h[:, :last].pow(2).mean()
+
+
+def _spec(padded: bool) -> ModelSpec:
+    def build(batch_size: int, seq_len: int):
+        mask = torch.ones(batch_size, seq_len, dtype=torch.long)
+        if padded:
+            mask[:, seq_len // 2 :] = 0
+        return MaskBranch(), (torch.randn(batch_size, seq_len, 8), mask)
+
+    return ModelSpec("mask-branch", "branches on its mask", build)
+
+
+def test_checks_on_masks_are_answered_from_real_values():
+    full = trace(_spec(padded=False), batch_size=2, seq_len=8)
+    padded = trace(_spec(padded=True), batch_size=2, seq_len=8)
+    assert not any(op.name == "aten.masked_fill.Scalar" for op in full.ops)
+    assert any(op.name == "aten.masked_fill.Scalar" for op in padded.ops)
+    sliced = [t for t in padded.tensors.values() if t.shape[:2] == (2, 4)]  # h[:, :4]: half the positions
+    assert sliced
+
+
+def test_weight_init_is_skipped_only_while_tracing():
+    original = nn.init.trunc_normal_
+    trace(_spec(padded=False), batch_size=1, seq_len=4)
+    assert nn.init.trunc_normal_ is original
+    assert MaskBranch().proj.weight.abs().sum() > 0
+
+
+class DataBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        if h.sum() > 0:  # depends on float activations: no real value exists on the trace
+            h = h * 2
+        return h.mean()
+
+
+def test_control_flow_on_activations_is_one_line_naming_op_module_and_line():
+    spec = ModelSpec(
+        "data-branch", "branches on data", lambda batch_size, seq_len: (DataBranch(), (torch.randn(2, 8),))
+    )
+    with pytest.raises(TraceError) as info:
+        trace(spec, batch_size=1, seq_len=4)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "test_shadow.py:" in message and "if h.sum() > 0" in message
+    assert "aten." in message
