@@ -28,8 +28,7 @@ OTHER_MEMORY_SHARE = 0.15
 """Memory outside PyTorch's cache above this share of the GPU is blamed for the OOM."""
 
 NOT_OOM = (
-    "not a CUDA out-of-memory message; paste the line that starts with "
-    "'torch.OutOfMemoryError' or 'CUDA out of memory'"
+    "not a CUDA out-of-memory message; paste the line that starts with 'torch.OutOfMemoryError' or 'CUDA out of memory'"
 )
 
 _UNITS: dict[str, int] = {
@@ -46,12 +45,14 @@ _UNITS: dict[str, int] = {
     "gb": 1000**3,
     "tb": 1000**4,
 }
-_SIZE = r"(\d+(?:\.\d+)?)\s*(bytes|byte|B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\b"
+# A number starts only where no digit precedes it, so a run of n digits is tried once, not n times
+# (linear time); the digits are bounded when converted.
+_SIZE = r"(?<![\d.])(\d+(?:\.\d+)?)\s*(bytes|byte|B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\b"
+MAX_NUMBER_CHARS = 24
+"""Longest number read from a message (PyTorch prints at most about 10 characters)."""
 _SIZE_ONLY = re.compile(rf"^\s*{_SIZE}\s*$", re.IGNORECASE)
 
-_OOM_MARKERS = re.compile(
-    r"OutOfMemoryError|(?:CUDA|HIP) out of memory|CUDA error: out of memory", re.IGNORECASE
-)
+_OOM_MARKERS = re.compile(r"OutOfMemoryError|(?:CUDA|HIP) out of memory|CUDA error: out of memory", re.IGNORECASE)
 _ALLOCATOR_OOM = re.compile(r"(?:CUDA|HIP) out of memory|OutOfMemoryError", re.IGNORECASE)
 
 
@@ -60,13 +61,11 @@ def _rx(pattern: str) -> re.Pattern[str]:
 
 
 _REQUESTED = _rx(r"Tried to allocate {SIZE}")
-_DEVICE = re.compile(r"\bGPU (\d+)\b")
+_DEVICE = re.compile(r"\bGPU (\d{1,6})\b")
 # "capacty" is the spelling torch 2.1 printed.
 _NEW_TOTAL_FREE = _rx(r"total capac\w* of {SIZE} of which {SIZE} is free")
 _THIS_PROCESS = _rx(r"this process has {SIZE} memory in use")
-_OTHER_PROCESS = re.compile(
-    r"\bProcess (\d+) has " + _SIZE + r" memory in use", re.IGNORECASE
-)
+_OTHER_PROCESS = re.compile(r"\bProcess (\d{1,12}) has " + _SIZE + r" memory in use", re.IGNORECASE)
 _NEW_ALLOCATED = _rx(r"Of the allocated memory {SIZE} is allocated by PyTorch")
 _PRIVATE_POOLS = _rx(r"{SIZE} allocated in private pools")
 _NEW_UNALLOCATED = _rx(r"{SIZE} is reserved by PyTorch but unallocated")
@@ -86,6 +85,8 @@ def parse_size(text: str) -> int:
 
 
 def _to_bytes(number: str, unit: str) -> int:
+    if len(number) > MAX_NUMBER_CHARS:
+        raise ValueError(f"the message has a {len(number)}-digit size; paste the message as PyTorch printed it")
     return round(float(number) * _UNITS[unit.lower()])
 
 
@@ -154,8 +155,7 @@ class OomExplanation:
 
 _ADVICE = {
     "fragmentation": (
-        "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True so cached segments grow "
-        "instead of being split",
+        "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True so cached segments grow instead of being split",
         "if expandable segments are not an option, set max_split_size_mb:<MiB> (a bit above "
         "your largest common allocation) so big cached blocks are not split",
         "to see which allocations split the cache, record with "
@@ -293,14 +293,9 @@ def _judge(
     if unallocated is not None:
         lines.append(f"PyTorch's cache holds {_fmt(unallocated)} reserved but unallocated")
     if non_pytorch is not None:
-        detail = (
-            f", of which other processes hold {_fmt(other_processes)}"
-            if other_processes is not None
-            else ""
-        )
+        detail = f", of which other processes hold {_fmt(other_processes)}" if other_processes is not None else ""
         lines.append(
-            f"{_fmt(non_pytorch)} is used outside PyTorch's cache (CUDA context, libraries, "
-            f"other processes{detail})"
+            f"{_fmt(non_pytorch)} is used outside PyTorch's cache (CUDA context, libraries, other processes{detail})"
         )
 
     if requested is None or (unallocated is None and non_pytorch is None and allocated is None):
@@ -324,7 +319,5 @@ def _judge(
             f"{outside / total:.0%} of the GPU) is what leaves too little for this request"
         )
         return "other-process", lines
-    lines.append(
-        "PyTorch's own allocations fill the GPU: the job needs less memory or a larger GPU"
-    )
+    lines.append("PyTorch's own allocations fill the GPU: the job needs less memory or a larger GPU")
     return "capacity", lines

@@ -26,6 +26,7 @@ Unknown keys are ignored.
 
 from __future__ import annotations
 
+import gc
 import io
 import pickle
 import re
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from planner.analysis.unpickler import PlainDataUnpickler, RefusedPickle
+from planner.analysis.unpickler import PickleBudget, PlainDataUnpickler, RefusedPickle
 
 __all__ = [
     "Allocation",
@@ -47,8 +48,11 @@ __all__ = [
     "read_snapshot",
 ]
 
-DEFAULT_MAX_BYTES = 8 * 1024**3
-"""Refuse snapshot files larger than this unless the caller raises the limit."""
+DEFAULT_MAX_BYTES = 1024**3
+"""Refuse snapshot files larger than this unless the caller raises the limit (the reader also
+keeps a memory, element and time budget proportional to the file size: see unpickler.py)."""
+MAX_SIZE_BYTES = 2**63
+"""Sizes, addresses and devices at or above this are refused (the allocator stores int64)."""
 
 TOP_ALLOCATIONS = 10
 MAX_FRAMES = 10
@@ -224,23 +228,11 @@ class SnapshotReport:
 # --------------------------------------------------------------------------- loading
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def _unpickle(data: bytes) -> object:
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # plain data has no cycles worth collecting; GC passes over millions of new dicts cost 2x time
     try:
-        return PlainDataUnpickler(io.BytesIO(data)).load()
+        return PlainDataUnpickler(io.BytesIO(data), PickleBudget.for_input(len(data))).load()
     except RefusedPickle:
         raise
     except ValueError as exc:
@@ -253,11 +245,15 @@ def _unpickle(data: bytes) -> object:
         IndexError,
         AttributeError,
         OverflowError,
+        MemoryError,
         struct.error,
     ) as exc:
         raise ValueError(
             f"not a CUDA memory snapshot: {type(exc).__name__}: {_one_line(exc)}; {_HOW_TO_WRITE}"
         ) from exc
+    finally:
+        if gc_was_enabled:
+            gc.enable()
 
 
 def _one_line(exc: BaseException) -> str:
@@ -300,35 +296,27 @@ def _field(d: dict, key: str, where: str) -> Any:
 
 
 def _as_size(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"{where} must be a non-negative int, got {type(value).__name__}; "
-            "is this a CUDA memory snapshot?"
-        )
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_SIZE_BYTES:
+        got = type(value).__name__ if not isinstance(value, int) else "a negative or over-64-bit int"
+        raise ValueError(f"{where} must be a non-negative int below 2**63, got {got}; is this a CUDA memory snapshot?")
     return value
 
 
 def _as_list(value: Any, where: str) -> list:
     if not isinstance(value, list):
-        raise ValueError(
-            f"{where} must be a list, got {type(value).__name__}; is this a CUDA memory snapshot?"
-        )
+        raise ValueError(f"{where} must be a list, got {type(value).__name__}; is this a CUDA memory snapshot?")
     return value
 
 
 def _as_dict(value: Any, where: str) -> dict:
     if not isinstance(value, dict):
-        raise ValueError(
-            f"{where} must be a dict, got {type(value).__name__}; is this a CUDA memory snapshot?"
-        )
+        raise ValueError(f"{where} must be a dict, got {type(value).__name__}; is this a CUDA memory snapshot?")
     return value
 
 
 def _as_str(value: Any, where: str) -> str:
     if not isinstance(value, str):
-        raise ValueError(
-            f"{where} must be a str, got {type(value).__name__}; is this a CUDA memory snapshot?"
-        )
+        raise ValueError(f"{where} must be a str, got {type(value).__name__}; is this a CUDA memory snapshot?")
     return value
 
 
@@ -387,9 +375,7 @@ def _parse_block(raw: Any, where: str) -> _Block:
 
 
 def _keep_frame(name: str, filename: str) -> bool:
-    return not any(o in name for o in _OMIT_FUNCTIONS) and not any(
-        o in filename for o in _OMIT_FILENAMES
-    )
+    return not any(o in name for o in _OMIT_FUNCTIONS) and not any(o in filename for o in _OMIT_FILENAMES)
 
 
 def _format_frames(raw: Any, where: str) -> tuple[str, ...]:
@@ -404,8 +390,8 @@ def _format_frames(raw: Any, where: str) -> tuple[str, ...]:
         filename = _as_str(_field(fd, "filename", fw), f"{fw}.filename")
         name = _as_str(_field(fd, "name", fw), f"{fw}.name")
         line = fd.get("line", 0)
-        if isinstance(line, bool) or not isinstance(line, int):
-            raise ValueError(f"{fw}.line must be an int, got {type(line).__name__}")
+        if isinstance(line, bool) or not isinstance(line, int) or abs(line) >= MAX_SIZE_BYTES:
+            raise ValueError(f"{fw}.line must be a 64-bit int, got {type(line).__name__}")
         if _keep_frame(name, filename):
             parsed.append((filename, line, name))
     python = [f for f in parsed if f[0].endswith(".py")]
@@ -414,8 +400,8 @@ def _format_frames(raw: Any, where: str) -> tuple[str, ...]:
 
 
 _CONF_BOOL = re.compile(r"(?:^|,)\s*expandable_segments\s*:\s*(\w+)", re.IGNORECASE)
-_CONF_SPLIT = re.compile(r"(?:^|,)\s*max_split_size_mb\s*:\s*(\d+)")
-_CONF_GC = re.compile(r"(?:^|,)\s*garbage_collection_threshold\s*:\s*([0-9.]+)")
+_CONF_SPLIT = re.compile(r"(?:^|,)\s*max_split_size_mb\s*:\s*(\d{1,12})\b")
+_CONF_GC = re.compile(r"(?:^|,)\s*garbage_collection_threshold\s*:\s*([0-9.]{1,20})(?![0-9.])")
 
 
 def _parse_settings(raw: Any) -> AllocatorSettings:
@@ -430,9 +416,7 @@ def _parse_settings(raw: Any) -> AllocatorSettings:
     if "expandable_segments" in s:
         v = s["expandable_segments"]
         if not isinstance(v, bool):
-            raise ValueError(
-                f"allocator_settings.expandable_segments must be a bool, got {type(v).__name__}"
-            )
+            raise ValueError(f"allocator_settings.expandable_segments must be a bool, got {type(v).__name__}")
         expandable = v
     elif conf and (m := _CONF_BOOL.search(conf)):
         expandable = m.group(1).lower() == "true"
@@ -441,9 +425,7 @@ def _parse_settings(raw: Any) -> AllocatorSettings:
     if "max_split_size" in s:
         v = s["max_split_size"]
         if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(
-                f"allocator_settings.max_split_size must be an int, got {type(v).__name__}"
-            )
+            raise ValueError(f"allocator_settings.max_split_size must be an int, got {type(v).__name__}")
         # Unset is SIZE_MAX, which the snapshot stores cast to int64 (-1).
         max_split = v if 0 < v < 2**62 else None
     elif conf and (m := _CONF_SPLIT.search(conf)):
@@ -454,8 +436,7 @@ def _parse_settings(raw: Any) -> AllocatorSettings:
         v = s["garbage_collection_threshold"]
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(
-                "allocator_settings.garbage_collection_threshold must be a number, "
-                f"got {type(v).__name__}"
+                f"allocator_settings.garbage_collection_threshold must be a number, got {type(v).__name__}"
             )
         gc = float(v) if v > 0 else None
     elif conf and (m := _CONF_GC.search(conf)):
@@ -463,8 +444,7 @@ def _parse_settings(raw: Any) -> AllocatorSettings:
             gc = float(m.group(1)) or None
         except ValueError as exc:
             raise ValueError(
-                f"allocator_settings.PYTORCH_CUDA_ALLOC_CONF has a bad "
-                f"garbage_collection_threshold {m.group(1)!r}"
+                f"allocator_settings.PYTORCH_CUDA_ALLOC_CONF has a bad garbage_collection_threshold {m.group(1)!r}"
             ) from exc
     return AllocatorSettings(conf, expandable, max_split, gc)
 
@@ -488,14 +468,8 @@ def _summarize_traces(raw: Any) -> TraceSummary | None:
             counts[action] = counts.get(action, 0) + 1
             n += 1
             if action == "oom":
-                last_oom_size = (
-                    _as_size(e["size"], f"{where}.size") if "size" in e else None
-                )
-                last_oom_free = (
-                    _as_size(e["device_free"], f"{where}.device_free")
-                    if "device_free" in e
-                    else None
-                )
+                last_oom_size = _as_size(e["size"], f"{where}.size") if "size" in e else None
+                last_oom_free = _as_size(e["device_free"], f"{where}.device_free") if "device_free" in e else None
     return TraceSummary(
         num_entries=n,
         counts=tuple(sorted(counts.items())),
@@ -521,9 +495,7 @@ def _advice(
     traces: TraceSummary | None,
 ) -> tuple[str, ...]:
     out: list[str] = []
-    fragmented = (
-        reserved > 0 and free >= FREE_SHARE_NOTABLE * reserved and ratio >= FRAGMENTATION_RATIO_HIGH
-    )
+    fragmented = reserved > 0 and free >= FREE_SHARE_NOTABLE * reserved and ratio >= FRAGMENTATION_RATIO_HIGH
     split_heavy = reserved > 0 and split >= SPLIT_SHARE_HIGH * reserved
     if fragmented and not expandable:
         out.append(
@@ -541,9 +513,7 @@ def _advice(
             f"{_mib(split)} is free but stuck inside partly used segments: use "
             f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or {alt}"
         )
-    if expandable and (
-        settings.max_split_size_bytes is not None or settings.garbage_collection_threshold
-    ):
+    if expandable and (settings.max_split_size_bytes is not None or settings.garbage_collection_threshold):
         out.append(
             "expandable_segments:True is combined with max_split_size_mb or "
             "garbage_collection_threshold: they are rarely needed with expandable segments and "
@@ -604,9 +574,7 @@ def analyze_snapshot(data: object) -> SnapshotReport:
         if "is_expandable" in seg:
             flag = seg["is_expandable"]
             if not isinstance(flag, bool):
-                raise ValueError(
-                    f"{where}.is_expandable must be a bool, got {type(flag).__name__}"
-                )
+                raise ValueError(f"{where}.is_expandable must be a bool, got {type(flag).__name__}")
             any_expandable_segment |= flag
 
         blocks = [_parse_block(b, f"{where}.blocks[{bi}]") for bi, b in enumerate(blocks_raw)]
@@ -633,19 +601,14 @@ def analyze_snapshot(data: object) -> SnapshotReport:
 
     ratio = 0.0 if free == 0 else 1.0 - largest_free / free
 
-    expandable = (
-        settings.expandable_segments
-        if settings.expandable_segments is not None
-        else any_expandable_segment
-    )
+    expandable = settings.expandable_segments if settings.expandable_segments is not None else any_expandable_segment
     live.sort(key=lambda b: (-b.size, -b.requested))
-    top = tuple(
-        Allocation(b.size, b.requested, _format_frames(b.frames, b.where))
-        for b in live[:TOP_ALLOCATIONS]
-    )
-    by_pool = tuple(
-        PoolSummary(pool, *acc) for pool, acc in sorted(pools.items())
-    )
+    formatted: dict[int, tuple[str, ...]] = {}  # a frames list shared by many blocks is read once
+    for b in live[:TOP_ALLOCATIONS]:
+        if id(b.frames) not in formatted:
+            formatted[id(b.frames)] = _format_frames(b.frames, b.where)
+    top = tuple(Allocation(b.size, b.requested, formatted[id(b.frames)]) for b in live[:TOP_ALLOCATIONS])
+    by_pool = tuple(PoolSummary(pool, *acc) for pool, acc in sorted(pools.items()))
     return SnapshotReport(
         format=fmt,
         reserved_bytes=reserved,
