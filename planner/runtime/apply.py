@@ -16,7 +16,6 @@ import shutil
 import tempfile
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -29,6 +28,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from planner.plans.decisions import ModulePlan, OpKeys, module_plans
 from planner.plans.format import Plan, PlanLadder, check_plan_matches, load_plan
 from planner.runtime.offload import (
     SPILL_PREFIX,
@@ -44,32 +44,9 @@ __all__ = ["ModulePlan", "PlanHandle", "apply_plan", "returns_tensor", "batch_se
 
 
 
-@dataclass(frozen=True)
-class ModulePlan:
-    """What one module's forward does under one plan: keep, recompute (keeping `keep_ops`) or offload."""
-
-    action: str
-    target: str | None = None
-    keep_ops: frozenset[str] = frozenset()
-
-
 def returns_tensor(func: Any) -> bool:
     """Whether an op overload's schema returns at least one Tensor (how memplan's trace names ops)."""
     return any("Tensor" in str(r.type) for r in func._schema.returns)
-
-
-def module_plans(plan: Plan) -> dict[str, ModulePlan]:
-    """Module path -> ModulePlan for the whole-module decisions of `plan` that change anything.
-
-    Op-level decisions other than "keep" mean "recompute", as in planner.simulation.effects.
-    """
-    out: dict[str, ModulePlan] = {}
-    for d in plan.decisions:
-        if d.op is not None or d.action == "keep":
-            continue
-        keep = frozenset(op for op, od in plan.op_decisions(d.module).items() if od.action == "keep")
-        out[d.module] = ModulePlan(d.action, d.target, keep if d.action == "recompute" else frozenset())
-    return out
 
 
 # ---------------------------------------------------------------- selective checkpointing
@@ -80,15 +57,12 @@ class _KeepPolicy:
 
     def __init__(self, keep_ops: frozenset[str]) -> None:
         self.keep_ops = keep_ops
-        self.counts: dict[bool, dict[str, int]] = {False: defaultdict(int), True: defaultdict(int)}
+        self.keys = {False: OpKeys(), True: OpKeys()}  # forward, recompute
 
     def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if not returns_tensor(func):
             return CheckpointPolicy.PREFER_RECOMPUTE
-        counts = self.counts[bool(ctx.is_recompute)]
-        name = str(func)
-        key = f"{name}#{counts[name]}"
-        counts[name] += 1
+        key = self.keys[bool(ctx.is_recompute)].next_key(str(func))
         return CheckpointPolicy.MUST_SAVE if key in self.keep_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -138,7 +112,7 @@ class PlanHandle:
                  spill_dir: str | Path | None) -> None:
         self.model = model
         self.ladder = ladder
-        self._by_bucket = {s: module_plans(p) for s, p in plans.items()}
+        self._by_bucket = {s: module_plans(p.decisions) for s, p in plans.items()}
         first = next(iter(plans))
         self.active_bucket: int | None = first if ladder is None else None
         self.active_seq_len: int | None = None
@@ -202,7 +176,7 @@ class PlanHandle:
         if self.ladder is not None:
             raise ValueError("use_plan switches a single-plan handle; a ladder picks its plans itself")
         check_plan_matches(plan, self.model)
-        plans = module_plans(plan)
+        plans = module_plans(plan.decisions)
         if self.spill_dir is None and any(mp.target == "disk" for mp in plans.values()):
             self._make_spill_dir()
         self._wrap_paths(plans)

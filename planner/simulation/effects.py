@@ -22,6 +22,9 @@ import numpy as np
 
 from costmodels.hardware import DeviceSpec
 from costmodels.runtime import transfer_time_s
+from planner.errors import PlanFileError
+from planner.plans.decisions import OpKeys, module_plans
+from planner.plans.format import Decision
 from planner.tracing.graph import OpGraph
 
 __all__ = [
@@ -90,13 +93,8 @@ def module_span(graph: OpGraph, path: str) -> ModuleSpan:
 
 def op_keys(graph: OpGraph, span: ModuleSpan) -> dict[int, str]:
     """Forward op index -> `aten.op.overload#k` (k counts calls of that op inside the span)."""
-    seen: dict[str, int] = defaultdict(int)
-    out = {}
-    for i in range(span.fwd_start, span.fwd_end):
-        name = graph.ops[i].name
-        out[i] = f"{name}#{seen[name]}"
-        seen[name] += 1
-    return out
+    keys = OpKeys()
+    return {i: keys.next_key(graph.ops[i].name) for i in range(span.fwd_start, span.fwd_end)}
 
 
 def dropped_tensors(graph: OpGraph, span: ModuleSpan, keep_ops: Iterable[int] = ()) -> list[int]:
@@ -124,42 +122,33 @@ def dropped_tensors(graph: OpGraph, span: ModuleSpan, keep_ops: Iterable[int] = 
     return out
 
 
-def choices_from_decisions(graph: OpGraph, decisions: Sequence) -> list[SpanChoice]:
-    """Resolve plan decisions (objects with module, action, op, target) into span choices."""
-    by_module: dict[str, list] = defaultdict(list)
-    for d in decisions:
-        by_module[d.module].append(d)
+def choices_from_decisions(graph: OpGraph, decisions: Iterable[Decision]) -> list[SpanChoice]:
+    """Resolve plan decisions (read by :func:`planner.plans.decisions.module_plans`) into span choices."""
     choices = []
-    for path, ds in by_module.items():
-        whole = [d for d in ds if d.op is None]
-        if not whole or whole[0].action == "keep":
-            continue
+    for path, mp in module_plans(decisions).items():
         span = module_span(graph, path)
-        if whole[0].action == "offload":
-            choices.append(SpanChoice(span, "offload", target=whole[0].target))
+        if mp.action == "offload":
+            choices.append(SpanChoice(span, "offload", target=mp.target))
             continue
         keys = {k: i for i, k in op_keys(graph, span).items()}
-        keep = set()
-        for d in ds:
-            if d.op is None:
-                continue
-            if d.op not in keys:
-                raise ValueError(
-                    f"plan names op '{d.op}' in module '{path}', which does not run it; "
-                    "re-plan with memplan plan for this model and configuration"
-                )
-            if d.action == "keep":
-                keep.add(keys[d.op])
-        choices.append(SpanChoice(span, "recompute", frozenset(keep)))
+        unknown = sorted(mp.named_ops - keys.keys())
+        if unknown:
+            raise PlanFileError(
+                f"plan names op '{unknown[0]}' in module '{path}', which does not run it; "
+                "re-plan with memplan plan for this model and configuration"
+            )
+        choices.append(SpanChoice(span, "recompute", frozenset(keys[op] for op in mp.keep_ops)))
     _check_disjoint(choices)
     return choices
 
 
 def _check_disjoint(choices: list[SpanChoice]) -> None:
     spans = sorted((c.span.fwd_start, c.span.fwd_end, c.span.path) for c in choices)
-    for (a0, a1, pa), (b0, _, pb) in zip(spans, spans[1:]):
+    for (_, a1, pa), (b0, _, pb) in zip(spans, spans[1:]):
         if b0 < a1:
-            raise ValueError(f"plan recomputes or offloads both '{pa}' and '{pb}', which overlap; choose one of them")
+            raise PlanFileError(
+                f"plan recomputes or offloads both '{pa}' and '{pb}', which overlap; choose one of them"
+            )
 
 
 def recompute_ops(graph: OpGraph, span: ModuleSpan, keep_ops: frozenset[int], dropped: Sequence[int]) -> list[int]:
