@@ -13,6 +13,7 @@ from costmodels.memory import get_precision
 from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget
 from planner.plans.format import Plan, PlanLadder, load_plan
+from planner.runtime.auto import parse_budget
 from planner.runtime.dryrun import dry_run, planned_errors
 from planner.runtime.verify import Measurement, measure_step
 from planner.simulation.step import Timeline, simulate
@@ -97,12 +98,15 @@ def trace_for(spec: str, config: TrainConfig, lifetimes: bool = True):
                  moe_imbalance=config.moe_imbalance, blocks=config.blocks)
 
 
-def plan_model(spec: str, config: TrainConfig, budget_bytes: int, *, strategy: str = "optimal",
+def plan_model(spec: str, config: TrainConfig, budget_bytes: int | str, *, strategy: str = "optimal",
                offload: str | None = None, keep=(), recompute=(), time_limit_s: float = 10.0):
-    """Trace, compare the baseline strategies and solve: (plan, comparison rows, no-plan peak)."""
+    """Trace, compare the baseline strategies and solve: (plan, comparison rows, no-plan peak).
+    `budget_bytes` may be a percentage of the no-plan peak ('60%')."""
     from planner.solver.planning import compare_strategies, solve
 
     graph = trace_for(spec, config)
+    if isinstance(budget_bytes, str):
+        budget_bytes = parse_budget(budget_bytes, simulate(graph, config).peak_bytes)
     if not graph.regions:
         _check_without_blocks(graph, config, budget_bytes)
     plan = solve(graph, config, budget_bytes, strategy=strategy, offload=offload, keep=keep,

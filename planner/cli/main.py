@@ -25,13 +25,27 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The example epilog as written, and each optional flag's default in --help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if isinstance(default, list) and len(default) == 1:
+            default = default[0]
+        if (action.required or not action.option_strings or default is argparse.SUPPRESS
+                or default in (None, False, "", [], ()) or "%(default)" in text):
+            return text
+        return f"{text} (default: {str(default).replace('%', '%%')})"
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="memplan", description="Simulation-first memory planner for PyTorch training.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, help_text: str, fn: Callable, example: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text, epilog="example:\n  " + example,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=_HelpFormatter)
         p.set_defaults(fn=fn)
         return p
 

@@ -36,7 +36,7 @@ def seq_lens(text: str) -> list[int]:
 
 def add_model_options(p: argparse.ArgumentParser, sweep: bool = True, default_gpu: str = "cpu") -> None:
     p.add_argument("--model", required=True, help="preset name, PATH.py:FUNC, package.module:FUNC or hf:PATH/config.json")
-    p.add_argument("--batch-size", type=positive_int, default=1)
+    p.add_argument("--batch-size", type=positive_int, default=1, help="sequences (images) per step and device")
     p.add_argument("--seq-len", type=seq_lens if sweep else positive_int, default=[512] if sweep else 512,
                    help="sequence length" + (" (a comma list: a sweep for simulate/verify, one plan per "
                                              "bucket for plan)" if sweep else ""))

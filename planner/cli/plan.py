@@ -21,7 +21,8 @@ def register(add) -> None:
     p = add("plan", "solve which activations to keep, recompute or offload under a memory budget",
             run, EXAMPLE)
     add_model_options(p, default_gpu="cpu")
-    p.add_argument("--budget", help="peak-memory budget, e.g. 40GiB or 123456789B (default: GPU capacity less --reserve)")
+    p.add_argument("--budget", help="peak-memory budget: a size (40GiB, 123456789B) or a percentage of the no-plan "
+                                    "peak (60%%) (default: GPU capacity less --reserve)")
     p.add_argument("--reserve", type=float, default=0.05, help="fraction of the GPU kept free when --budget is not given")
     p.add_argument("--offload", default="none", help="allow offloading to: none, cpu, disk")
     p.add_argument("--strategy", default="optimal",
@@ -33,8 +34,11 @@ def register(add) -> None:
     p.add_argument("--out", required=True, help="plan file to write (JSON)")
 
 
-def budget_for(args) -> int:
-    """--budget, else the GPU's capacity less the --reserve fraction."""
+def budget_for(args) -> int | str:
+    """--budget (bytes, or a percentage of the no-plan peak left as '60%'), else the GPU's capacity
+    less the --reserve fraction."""
+    if args.budget and args.budget.strip().endswith("%"):
+        return args.budget.strip()
     if args.budget:
         return parse_bytes(args.budget)
     if not 0 <= args.reserve < 1:
@@ -42,7 +46,7 @@ def budget_for(args) -> int:
     return int(get_device(args.gpu).memory_bytes * (1 - args.reserve))
 
 
-def _plan_one(args, config, budget: int):
+def _plan_one(args, config, budget: int | str):
     plan, rows, baseline = plan_model(args.model, config, budget, strategy=args.strategy, offload=args.offload,
                                       keep=args.keep, recompute=args.recompute, time_limit_s=args.time_limit)
     lines = [[r.strategy, format_bytes(r.peak_bytes), f"{r.overhead * 100:.1f}%",
@@ -50,7 +54,7 @@ def _plan_one(args, config, budget: int):
     lines.append([f"{plan.strategy} (chosen)", format_bytes(plan.predicted.peak_bytes),
                   f"{plan.predicted.overhead * 100:.1f}%", "yes"])
     print(f"{args.model} seq {config.seq_len} batch {config.batch_size} {config.precision} on {config.gpu}: "
-          f"budget {format_bytes(budget)}, no-plan peak {format_bytes(baseline)}")
+          f"budget {format_bytes(plan.budget_bytes)}, no-plan peak {format_bytes(baseline)}")
     print(report.table(["strategy", "peak", "overhead", "fits"], lines))
     if "moe_routing" in plan.config:
         print(describe_routing(plan.config["moe_routing"]))

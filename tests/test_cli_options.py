@@ -1,0 +1,76 @@
+"""Options every subcommand shares: defaults in --help, --budget as a percentage, --blocks and
+--moe-imbalance."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from planner.api import simulate_model
+from planner.config import TrainConfig
+from tests.cli_helpers import assert_user_error, run
+
+ATTRIBUTE_LAYERS = "benchmarks.zoo:attribute_layers"
+
+
+def test_help_shows_defaults(capsys):
+    code, out, _ = run(["plan", "--help"], capsys)
+    assert code == 0
+    for text in ("--batch-size", "(default: 1)", "(default: 512)", "(default: cpu)", "(default: 0.05)"):
+        assert text in out
+    assert "percentage of the no-plan" in out
+
+
+def test_budget_as_a_percentage_of_the_no_plan_peak(tmp_path, capsys):
+    out_path = tmp_path / "plan.json"
+    code, _, err = run(
+        [
+            "plan",
+            "--model",
+            ATTRIBUTE_LAYERS,
+            "--batch-size",
+            "8",
+            "--seq-len",
+            "64",
+            "--budget",
+            "75%",
+            "--out",
+            str(out_path),
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    plan = json.loads(Path(out_path).read_text())
+    peak = simulate_model(ATTRIBUTE_LAYERS, TrainConfig(batch_size=8, seq_len=64)).peak_bytes
+    assert plan["budget_bytes"] == int(peak * 0.75)
+    assert plan["predicted"]["peak_bytes"] <= plan["budget_bytes"]
+
+
+def test_blocks_glob_and_bad_trace_options_are_one_line(tmp_path, capsys):
+    out_path = tmp_path / "plan.json"
+    code, _, err = run(
+        [
+            "plan",
+            "--model",
+            ATTRIBUTE_LAYERS,
+            "--batch-size",
+            "8",
+            "--seq-len",
+            "64",
+            "--blocks",
+            "layer0,layer1",
+            "--budget",
+            "90%",
+            "--out",
+            str(out_path),
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    plan = json.loads(Path(out_path).read_text())
+    assert plan["config"]["blocks"] == ["layer0", "layer1"]
+    assert {d["module"] for d in plan["decisions"]} <= {"layer0", "layer1"}
+    code, _, err = run(["simulate", "--model", ATTRIBUTE_LAYERS, "--blocks", "decoder.*"], capsys)
+    assert_user_error(code, err, "simulate", "--blocks 'decoder.*' matches no module")
+    code, _, err = run(["simulate", "--model", ATTRIBUTE_LAYERS, "--moe-imbalance", "0.5"], capsys)
+    assert_user_error(code, err, "simulate", "imbalance")
