@@ -13,7 +13,7 @@ from pathlib import Path
 from benchmarks.common import Options, to_jsonable
 
 TABLES = {"accuracy": "accuracy", "quality": "quality", "presets": "preset_quality", "solver": "solver_scaling",
-          "large": "large", "speed": "simulate_speed", "measured": "measured_time", "zoo": "zoo"}
+          "large": "large", "speed": "simulate_speed", "measured": "measured_time", "zoo": "zoo", "fsdp": "fsdp"}
 
 
 def main(argv: list[str] | None = None) -> int:
