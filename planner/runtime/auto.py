@@ -13,8 +13,8 @@ its own length (fake copies of that batch) and solved, and the plan is cached.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
-from contextlib import ExitStack
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any, Self
 
 import torch
@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from costmodels.hardware import DEVICES
 from costmodels.memory import get_precision
 from planner.config import TrainConfig
-from planner.errors import MemplanError, TraceError
+from planner.errors import InfeasibleBudget, MemplanError, TraceError
 from planner.plans.format import Plan, PlanLadder
 from planner.runtime.apply import PlanHandle, apply_plan, batch_seq_len
 from planner.simulation.step import simulate
@@ -37,7 +37,7 @@ from planner.tracing.hf import disable_kv_cache, eager_transformers
 from planner.tracing.moe import RoutingAssumption
 from planner.tracing.recorder import trace_model
 from planner.tracing.shadow import ShadowMode
-from planner.units import parse_bytes
+from planner.units import format_bytes, parse_bytes
 
 __all__ = ["AutoHandle", "LiveTracer", "auto_checkpoint", "config_for", "parse_budget", "plan_for"]
 
@@ -124,6 +124,26 @@ def _as_inputs(inputs: Any) -> tuple | dict:
     )
 
 
+@contextmanager
+def _outside_autocast() -> Iterator[None]:
+    """Run as if no autocast region were open (a caller's forward may be in one): each of the trace's
+    own autocast passes must be outermost, or casts cached by the first would be missing from the second."""
+    depth = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    for _ in range(depth):
+        torch.autocast_decrement_nesting()
+    enabled = {device: torch.is_autocast_enabled(device) for device in ("cpu", "cuda")}
+    for device in enabled:
+        torch.set_autocast_enabled(device, False)
+    try:
+        yield
+    finally:
+        for device, on in enabled.items():
+            torch.set_autocast_enabled(device, on)
+        for _ in range(depth):
+            torch.autocast_increment_nesting()
+
+
 class LiveTracer:
     """Traces a live model at the shapes of real batches, on a fake copy made once (no real memory)."""
 
@@ -176,7 +196,7 @@ class LiveTracer:
         with ExitStack() as stack:
             stack.enter_context(_disable_current_modes())  # a monitor's live-bytes counter must not see this
             stack.enter_context(torch.enable_grad())
-            stack.enter_context(torch.autocast("cpu", enabled=False))
+            stack.enter_context(_outside_autocast())
             fake_inputs = tree_map(self._fake, inputs)
             stack.enter_context(self.fake_mode)
             stack.enter_context(self.shadow)
@@ -321,10 +341,27 @@ class AutoHandle:
                     }
                 )
             self.seq_len = bucket
-            self._in_force = self.plan_at(bucket)
+            self._in_force = self._plan_within_budget(bucket)
         if self._in_force is not self._installed:
             self._applied.use_plan(self._in_force)
             self._installed = self._in_force
+
+    def _plan_within_budget(self, seq_len: int) -> Plan:
+        """The plan at the target; when the target (a monitor's reserve) cannot be met at this length,
+        the plan at the full budget. Raises InfeasibleBudget when even the budget cannot be met."""
+        try:
+            return self.plan_at(seq_len)
+        except InfeasibleBudget:
+            if self.target_bytes >= self.budget_bytes:
+                raise
+        self._events.append(
+            {
+                "reason": f"length {seq_len} cannot keep the target {format_bytes(self.target_bytes)}: "
+                f"plan for the budget {format_bytes(self.budget_bytes)}",
+                "plan_seq_len": seq_len,
+            }
+        )
+        return self.plan_at(seq_len, self.budget_bytes)
 
     def drain_events(self) -> list[dict[str, Any]]:
         """Plan switches made by following the sequence length since the last call (for a monitor)."""
