@@ -30,10 +30,12 @@ from torch.utils.checkpoint import (
 
 from planner.plans.decisions import ModulePlan, OpKeys, module_plans
 from planner.plans.format import Plan, PlanLadder, check_plan_matches, load_plan
+from planner.runtime import cleanup
 from planner.runtime.offload import (
     SPILL_PREFIX,
     Spilled,
     pack_to_host,
+    spillable,
     storage_ptrs,
     unpack_from_host,
 )
@@ -134,6 +136,7 @@ class PlanHandle:
         if parent is not None:
             parent.mkdir(parents=True, exist_ok=True)
         self.spill_dir = Path(tempfile.mkdtemp(prefix=SPILL_PREFIX, dir=parent))
+        cleanup.track(self.spill_dir)  # removed at exit or on SIGTERM if remove() never runs
 
     # -- installing -------------------------------------------------------------------
     def _install(self) -> None:
@@ -279,7 +282,7 @@ class PlanHandle:
         stay |= storage_ptrs(tree_leaves((list(args), list(kwargs.values()))))
 
         def pack(t: torch.Tensor) -> Any:
-            if t.untyped_storage().data_ptr() in stay:
+            if not spillable(t) or t.untyped_storage().data_ptr() in stay:
                 return t
             if mp.target == "disk":
                 return Spilled(self._spill_path(), t)
@@ -329,8 +332,9 @@ class PlanHandle:
         for config, use_cache in self._restore_use_cache or ():
             config.use_cache = use_cache
         self._restore_use_cache = None
-        if self.spill_dir is not None and self.spill_dir.exists():
-            shutil.rmtree(self.spill_dir)
+        if self.spill_dir is not None:
+            shutil.rmtree(self.spill_dir, ignore_errors=True)
+            cleanup.untrack(self.spill_dir)
 
     @property
     def removed(self) -> bool:

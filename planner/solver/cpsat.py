@@ -25,6 +25,7 @@ from ortools.sat.python import cp_model
 from costmodels.hardware import get_device
 from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget, SolverTimeout
+from planner.signals import interruptible
 from planner.simulation.costs import op_times, storage_bytes
 from planner.simulation.effects import SpanChoice
 from planner.simulation.step import Timeline, simulate
@@ -278,7 +279,8 @@ def _solve_cpsat(p: _Problem, budget: int, time_limit_s: float, n: int):
     solver.parameters.random_seed = 0
     solver.parameters.linearization_level = 2  # a tight LP bound: proves small gaps fast
     solver.parameters.relative_gap_limit = RELATIVE_GAP_LIMIT
-    status = solver.Solve(model)
+    with interruptible(solver):  # Ctrl-C stops the search and raises; the caller's SIGINT handler stays
+        status = solver.Solve(model)
     name = solver.StatusName(status)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return name, None, 0.0, 0.0, sum(len(r) for r in y)
@@ -322,15 +324,24 @@ def _min_peak_choices(p: _Problem) -> list[SpanChoice]:
     return out
 
 
-def _infeasible(graph: OpGraph, config: TrainConfig, budget: int, p: _Problem) -> InfeasibleBudget:
+def _offload_hint(config: TrainConfig, offload: str | None) -> str:
+    """What offload could still add to the search (nothing once --offload disk is in it)."""
+    if offload is None:
+        return f" or offload (--offload {'cpu' if get_device(config.gpu).is_cuda else 'disk'})"
+    if offload == "cpu":
+        return " or offload to disk as well (--offload disk)"
+    return " (offload to disk is already counted in that peak)"
+
+
+def _infeasible(graph: OpGraph, config: TrainConfig, budget: int, p: _Problem,
+                offload: str | None) -> InfeasibleBudget:
     best = simulate(graph, config, choices=_min_peak_choices(p))
     top = max(best.breakdown_at_peak.items(), key=lambda kv: kv[1])
     return InfeasibleBudget(
         f"budget {format_bytes(budget)} is infeasible: the smallest peak memplan can reach is "
         f"{format_bytes(best.peak_bytes)} ({best.peak_bytes} B) in {best.peak_phase} at {best.peak_op}, "
         f"dominated by {top[0]} ({format_bytes(top[1])}); raise --budget to at least that, or cut model "
-        "states (--precision bf16-mixed, --optimizer adamw-8bit, --zero 3 --dp N) or offload "
-        f"(--offload {'cpu' if get_device(config.gpu).is_cuda else 'disk'})"
+        "states (--precision bf16-mixed, --optimizer adamw-8bit, --zero 3 --dp N)" + _offload_hint(config, offload)
         + ("" if graph.regions else "; memplan found no blocks to checkpoint in this model (blocks are the "
            "children of nn.ModuleList, nn.Sequential or nn.ModuleDict containers)"),
         smallest_peak_bytes=best.peak_bytes,
@@ -359,11 +370,11 @@ def solve_choices(graph: OpGraph, config: TrainConfig, budget_bytes: int, *, off
     p = _problem(graph, config, offload, keep_set, force_set, times)
     n = len(graph.ops)
     if p.optimizer_peak > budget_bytes:
-        raise _infeasible(graph, config, budget_bytes, p)
+        raise _infeasible(graph, config, budget_bytes, p, offload)
     status, picks, objective, bound, nvars = _solve_cpsat(p, budget_bytes, time_limit_s, n)
     if picks is None:
         if status == "INFEASIBLE":
-            raise _infeasible(graph, config, budget_bytes, p)
+            raise _infeasible(graph, config, budget_bytes, p, offload)
         raise SolverTimeout(f"the solver found no plan within --time-limit {time_limit_s:g}s ({status}); "
                             "raise --time-limit")
     chosen = [p.options[r][k] for r, k in enumerate(picks)]
