@@ -13,6 +13,8 @@ from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget, SpecError, TraceError
 from planner.plans.format import Decision, Plan, PlanLadder, load_plan
 from planner.runtime.apply import PlanHandle, apply_plan
+from planner.runtime.auto import auto_checkpoint, plan_for
+from planner.runtime.monitor import MemoryMonitor
 from planner.simulation.step import Timeline, simulate
 from planner.solver.planning import solve
 from planner.tracing.graph import OpGraph
@@ -20,7 +22,7 @@ from planner.tracing.recorder import trace
 from planner.tracing.specs import list_presets, resolve_spec
 
 __all__ = [
-    "Decision", "InfeasibleBudget", "OpGraph", "Plan", "PlanHandle", "PlanLadder", "SpecError", "Timeline",
-    "TraceError", "TrainConfig", "apply_plan", "list_presets", "load_plan", "plan_model", "resolve_spec",
-    "simulate", "simulate_model", "solve", "trace", "verify_model",
+    "Decision", "InfeasibleBudget", "MemoryMonitor", "OpGraph", "Plan", "PlanHandle", "PlanLadder", "SpecError",
+    "Timeline", "TraceError", "TrainConfig", "apply_plan", "auto_checkpoint", "list_presets", "load_plan",
+    "plan_for", "plan_model", "resolve_spec", "simulate", "simulate_model", "solve", "trace", "verify_model",
 ]
