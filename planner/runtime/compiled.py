@@ -1,0 +1,68 @@
+"""Compile each block with its own `activation_memory_budget` (torch.compile's min-cut partitioner).
+
+The partitioner reads `torch._functorch.config.activation_memory_budget` when it compiles a graph,
+and Dynamo caches compiled code per code object, so blocks of one class would share the first
+block's split. Each distinct budget therefore gets its own copy of a small trampoline function
+(its own code object, so its own cache entry), compiled while that budget is set; blocks with the
+same budget share it.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch._functorch import config as functorch_config
+
+__all__ = ["CompiledBlocks", "compile_blocks"]
+
+
+def _trampoline(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return forward(*args, **kwargs)
+
+
+def _own_code(budget: float) -> Callable[..., Any]:
+    """A copy of the trampoline with a code object of its own for this budget."""
+    code = _trampoline.__code__.replace(co_name=f"block_budget_{round(budget * 1000)}")
+    return types.FunctionType(code, _trampoline.__globals__, code.co_name)
+
+
+class CompiledBlocks:
+    """Blocks running compiled at their budgets; remove() restores their eager forwards."""
+
+    def __init__(self) -> None:
+        self._restore: list[tuple[nn.Module, Any]] = []
+
+    def install(self, module: nn.Module, budget: float, compiled: Callable[..., Any]) -> None:
+        original = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with functorch_config.patch(activation_memory_budget=budget):
+                return compiled(original, *args, **kwargs)
+
+        self._restore.append((module, module.__dict__.get("forward")))
+        module.forward = forward
+
+    def remove(self) -> None:
+        for module, previous in reversed(self._restore):
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
+        self._restore.clear()
+
+
+def compile_blocks(model: nn.Module, budgets: Mapping[str, float], backend: str = "inductor") -> CompiledBlocks:
+    """Run each block (module path -> budget in [0, 1]) compiled with its own activation budget."""
+    compiled: dict[float, Callable[..., Any]] = {}
+    handle = CompiledBlocks()
+    for path, budget in budgets.items():
+        if not 0.0 <= budget <= 1.0:
+            raise ValueError(f"activation budget {budget} for '{path}' is outside [0, 1]; use a fraction")
+        if budget not in compiled:
+            compiled[budget] = torch.compile(_own_code(budget), backend=backend)
+        handle.install(model.get_submodule(path), budget, compiled[budget])
+    return handle

@@ -1,0 +1,242 @@
+"""Plans for compiled training: per block, the memory/time frontier of torch.compile's own partitioner,
+and a per-block choice of `activation_memory_budget` under a global budget.
+
+For one block (its module and the arguments it is called with, all fake tensors), AOTAutograd traces
+the joint forward+backward graph and the min-cut partitioner splits it at each budget in `BUDGETS`.
+Each split gives the bytes the forward saves for the backward (outputs of the forward graph that
+the backward reads, less the block's own inputs and parameters) and what the backward recomputes:
+its nodes beyond those of the budget-1.0 split. Recompute is priced as inductor runs it: matmuls,
+convolutions and attention at the roofline of their FLOPs; recomputed pointwise and reduction ops
+fuse into the backward's kernels, so each costs one pass over its output's bytes.
+
+CP-SAT then picks one point per block (a multiple-choice knapsack): the least recompute time whose
+saved bytes fit what the budget leaves for activations.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from functorch.compile import aot_function, make_boxed_func
+from ortools.sat.python import cp_model
+from torch import nn
+from torch._functorch import config as functorch_config
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.decomposition import select_decomp_table
+from torch.utils._pytree import tree_flatten, tree_map
+
+from costmodels.flops import op_bytes_accessed, op_flops
+from costmodels.hardware import DeviceSpec
+from costmodels.runtime import BANDWIDTH_EFFICIENCY, op_time_s
+from planner.errors import InfeasibleBudget
+from planner.tracing.op_classes import ATTENTION_OPS, CONV_OPS, MATMUL_OPS
+
+__all__ = ["BUDGETS", "CompiledPoint", "block_call", "block_frontier", "choose_budgets"]
+
+BUDGETS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
+_HEAVY = MATMUL_OPS | CONV_OPS | ATTENTION_OPS
+
+
+@dataclass(frozen=True)
+class CompiledPoint:
+    """One split of a block by the partitioner: what it saves and what its backward recomputes."""
+
+    budget: float
+    saved_bytes: int
+    recompute_s: float
+    recompute_flops: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Stop(Exception):
+    pass
+
+
+def block_call(model: nn.Module, inputs: tuple | dict, path: str) -> tuple[tuple, dict]:
+    """The (args, kwargs) the model calls the block at `path` with (its first call), by running the
+    model's forward until that call (on fake tensors this allocates nothing)."""
+    block = model.get_submodule(path)
+    got: list[tuple[tuple, dict]] = []
+
+    def hook(_module, args, kwargs):
+        got.append((args, kwargs))
+        raise _Stop
+
+    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    if not got:
+        raise ValueError(f"the model's forward never calls '{path}'; name a block its forward runs")
+    return got[0]
+
+
+def _val(a: Any) -> Any:
+    return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+
+
+def _node_cost(n: torch.fx.Node, device: DeviceSpec) -> tuple[float, int]:
+    """(seconds, FLOPs) of one recomputed node as inductor runs it (see module docstring)."""
+    args, kwargs, out = tree_map(_val, n.args), tree_map(_val, n.kwargs), n.meta.get("val")
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    if not outs:
+        return 0.0, 0
+    flops = op_flops(n.target, args, kwargs, out)
+    if str(n.target) in _HEAVY:
+        return op_time_s(flops, op_bytes_accessed((args, kwargs), out), outs[0].dtype, device), flops
+    nbytes = sum(t.numel() * t.element_size() for t in outs)
+    return nbytes / (BANDWIDTH_EFFICIENCY * device.hbm_bytes_per_s), flops
+
+
+def _key(n: torch.fx.Node) -> tuple:
+    shapes = tuple(
+        tuple(v.shape) if isinstance(v, torch.Tensor) else None
+        for v in (_val(a) for a in tree_flatten((n.args, n.kwargs))[0] if isinstance(a, torch.fx.Node))
+    )
+    return str(n.target), shapes
+
+
+def _compute_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
+
+
+def _base(n: torch.fx.Node) -> torch.fx.Node:
+    """The node whose output a chain of view ops looks into."""
+    while n.op == "call_function" and getattr(n.target, "is_view", False) and isinstance(n.args[0], torch.fx.Node):
+        n = n.args[0]
+    return n
+
+
+def _saved_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:
+    """Bytes of the forward outputs the backward reads, each underlying tensor once (a view counts
+    as its base), less the forward's own inputs and their views."""
+    (out,) = [n for n in fw.graph.nodes if n.op == "output"]
+    fw_outputs = {a.name: a for a in tree_flatten(out.args)[0] if isinstance(a, torch.fx.Node)}
+    bases = {_base(fw_outputs[n.name]) for n in bw.graph.nodes if n.op == "placeholder" and n.name in fw_outputs}
+    total = 0
+    for b in bases:
+        v = b.meta.get("val")
+        if b.op != "placeholder" and isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+    return total
+
+
+@contextmanager
+def _batch_stats_only(norms: list[nn.Module]) -> Iterator[None]:
+    for m in norms:
+        m.track_running_stats = False
+    try:
+        yield
+    finally:
+        for m in norms:
+            m.track_running_stats = True
+
+
+def _split(block: nn.Module, args: tuple, kwargs: dict, budget: float) -> tuple[Any, Any]:
+    """(forward graph, backward graph) of the block at one budget."""
+    got: dict[str, torch.fx.GraphModule] = {}
+
+    def keep(key: str):
+        def compiler(gm, _example):
+            got[key] = gm
+            return make_boxed_func(gm)
+
+        return compiler
+
+    names = [n for n, _ in block.named_parameters()]
+    flat, spec = tree_flatten((args, kwargs))
+    tensor_at = [k for k, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+
+    def f(*xs):
+        params, tensors = xs[: len(names)], xs[len(names) :]
+        values = list(flat)
+        for k, t in zip(tensor_at, tensors):
+            values[k] = t
+        a, kw = torch.utils._pytree.tree_unflatten(values, spec)
+        return torch.func.functional_call(block, dict(zip(names, params)), a, kw)
+
+    params = [p.detach().requires_grad_(p.requires_grad) for p in block.parameters()]
+    tensors = [flat[k].detach().requires_grad_(flat[k].is_floating_point()) for k in tensor_at]
+    partition = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+    # BatchNorm's running-stat updates trip AOTAutograd's saved-tensor version check under remat;
+    # training-mode BatchNorm computes the same with batch statistics only
+    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    with functorch_config.patch(activation_memory_budget=budget), _batch_stats_only(norms):
+        compiled = aot_function(
+            f,
+            fw_compiler=keep("fw"),
+            bw_compiler=keep("bw"),
+            partition_fn=partition,
+            decompositions=select_decomp_table(),
+        )
+        out = compiled(*params, *tensors)
+        sum(t.sum() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad).backward()
+    return got["fw"], got["bw"]
+
+
+def block_frontier(
+    block: nn.Module, args: tuple, kwargs: dict, device: DeviceSpec, budgets: Sequence[float] = BUDGETS
+) -> list[CompiledPoint]:
+    """The partitioner's split of one block at each budget (fake tensors in, nothing allocated),
+    without points that save as much as a cheaper one."""
+    base_fw, base_bw = _split(block, args, kwargs, 1.0)
+    base = Counter(_key(n) for n in _compute_nodes(base_bw))
+    points = []
+    for budget in budgets:
+        fw, bw = (base_fw, base_bw) if budget == 1.0 else _split(block, args, kwargs, budget)
+        seen: Counter = Counter()
+        seconds, flops = 0.0, 0
+        for n in _compute_nodes(bw):
+            k = _key(n)
+            seen[k] += 1
+            if seen[k] > base.get(k, 0):  # beyond the budget-1.0 backward: a recompute
+                s, f = _node_cost(n, device)
+                seconds, flops = seconds + s, flops + f
+        points.append(CompiledPoint(budget, _saved_bytes(fw, bw), seconds, flops))
+    points.sort(key=lambda p: (p.recompute_s, p.saved_bytes))
+    frontier: list[CompiledPoint] = []
+    for p in points:
+        if not frontier or p.saved_bytes < frontier[-1].saved_bytes:
+            frontier.append(p)
+    return frontier
+
+
+def choose_budgets(
+    frontiers: Sequence[Sequence[CompiledPoint]], activation_bytes: int, time_limit_s: float = 10.0
+) -> list[CompiledPoint]:
+    """One point per block with the least total recompute time whose saved bytes sum to at most
+    `activation_bytes` (CP-SAT; times in microseconds). InfeasibleBudget when even the smallest
+    points do not fit."""
+    least = sum(min(p.saved_bytes for p in f) for f in frontiers)
+    if least > activation_bytes:
+        raise InfeasibleBudget(
+            f"the blocks save at least {least} bytes compiled, over the {activation_bytes} "
+            "bytes the budget leaves for them; raise the budget",
+            smallest_peak_bytes=least,
+        )
+    model = cp_model.CpModel()
+    picks = [[model.new_bool_var(f"b{i}p{j}") for j in range(len(f))] for i, f in enumerate(frontiers)]
+    for row in picks:
+        model.add_exactly_one(row)
+    model.add(sum(v * p.saved_bytes for row, f in zip(picks, frontiers) for v, p in zip(row, f)) <= activation_bytes)
+    model.minimize(sum(v * round(p.recompute_s * 1e6) for row, f in zip(picks, frontiers) for v, p in zip(row, f)))
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = 1
+    status = solver.solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise InfeasibleBudget(
+            "CP-SAT found no per-block budgets in time; raise the time limit", smallest_peak_bytes=least
+        )
+    return [f[next(j for j, v in enumerate(row) if solver.value(v))] for row, f in zip(picks, frontiers)]

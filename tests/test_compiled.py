@@ -1,0 +1,95 @@
+"""Compiled training: the partitioner's per-block frontier on fake tensors, the per-block choice,
+and blocks compiled at their own activation budgets."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from models_for_tests import gpt_small, resnet_small
+from torch._subclasses import FakeTensorMode
+
+from costmodels.hardware import get_device
+from planner.errors import InfeasibleBudget
+from planner.runtime.compiled import compile_blocks
+from planner.solver.compiled import CompiledPoint, block_call, block_frontier, choose_budgets
+
+BATCH, SEQ = 2, 32
+
+
+@pytest.mark.parametrize("build, path", [(gpt_small, "h.0"), (resnet_small, "stages.0.0")])
+def test_frontier_trades_saved_bytes_for_recompute(build, path):
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model, inputs = build(BATCH, SEQ)
+        args, kwargs = block_call(model, inputs, path)
+        frontier = block_frontier(model.get_submodule(path), args, kwargs, get_device("cpu"), budgets=(1.0, 0.5, 0.0))
+    assert frontier[0].budget == 1.0 and frontier[0].recompute_s == 0.0 and frontier[0].saved_bytes > 0
+    assert frontier[-1].saved_bytes == 0 < frontier[-1].recompute_flops  # budget 0: recompute all, keep inputs
+    for a, b in itertools.pairwise(frontier):
+        assert a.recompute_s <= b.recompute_s and a.saved_bytes > b.saved_bytes
+
+
+def test_block_call_names_a_block_the_model_runs():
+    model, inputs = gpt_small(BATCH, SEQ)
+    args, _ = block_call(model, inputs, "h.1")
+    assert args[0].shape == (BATCH, SEQ, 64)
+    unused = torch.nn.Linear(64, 64)
+    model.add_module("unused", unused)
+    with pytest.raises(ValueError, match="never calls"):
+        block_call(model, inputs, "unused")
+
+
+points = st.lists(st.tuples(st.integers(0, 100), st.integers(0, 100)), min_size=1, max_size=4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(points, min_size=1, max_size=3), st.integers(0, 300))
+def test_choice_is_the_cheapest_that_fits(raw, cap):
+    frontiers = [[CompiledPoint(1.0, s, t * 1e-6, 0) for s, t in block] for block in raw]
+    fits = [c for c in itertools.product(*frontiers) if sum(p.saved_bytes for p in c) <= cap]
+    if not fits:
+        with pytest.raises(InfeasibleBudget):
+            choose_budgets(frontiers, cap)
+        return
+    chosen = choose_budgets(frontiers, cap)
+    assert sum(p.saved_bytes for p in chosen) <= cap
+    assert sum(p.recompute_s for p in chosen) == pytest.approx(min(sum(p.recompute_s for p in c) for c in fits))
+
+
+def test_blocks_compiled_at_their_budgets():
+    torch.manual_seed(0)
+    model, inputs = gpt_small(BATCH, SEQ)
+    reference = copy.deepcopy(model)
+    budgets = {"h.0": 1.0, "h.1": 0.0, "h.2": 1.0, "h.3": 0.0}
+    handle = compile_blocks(model, budgets, backend="aot_eager_decomp_partition")  # min-cut, no codegen
+    saved: dict[str, dict[int, int]] = {p: {} for p in budgets}  # block -> storage -> bytes
+    current: list[str | None] = [None]
+    for p in budgets:
+        block = model.get_submodule(p)
+        block.register_forward_pre_hook(lambda _m, _a, p=p: current.__setitem__(0, p))
+        block.register_forward_hook(lambda _m, _a, _o: current.__setitem__(0, None))
+    params = {q.untyped_storage().data_ptr() for q in model.parameters()}
+
+    def pack(t):
+        if current[0] is not None and t.untyped_storage().data_ptr() not in params:
+            saved[current[0]][t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(*inputs)
+    loss.backward()
+    reference(*inputs).backward()
+    saved_bytes = {p: sum(s.values()) for p, s in saved.items()}
+    block_input = BATCH * SEQ * 64 * 4
+    assert saved_bytes["h.1"] == saved_bytes["h.3"] == block_input  # budget 0: only the block's input stays
+    assert saved_bytes["h.0"] == saved_bytes["h.2"] > 4 * block_input
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
+    handle.remove()
+    assert "forward" not in model.h[0].__dict__
+    with pytest.raises(ValueError, match="outside"):
+        compile_blocks(model, {"h.0": 1.5})
