@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from planner.errors import PlanFileError
 from planner.plans.format import (
     SCHEMA_VERSION,
     Decision,
@@ -257,8 +258,8 @@ def test_offload_without_target(tmp_path: Path) -> None:
     d["decisions"][4]["target"] = None
     with pytest.raises(ValueError, match="invalid at decisions/4/target"):
         load_plan(write(tmp_path, d))
-    with pytest.raises(ValueError, match="offloads without a valid target"):
-        Decision("1", "offload")
+    with pytest.raises(PlanFileError, match="invalid at decisions/0/target"):
+        make_plan(decisions=(Decision("1", "offload"),))
 
 
 def test_target_without_offload() -> None:
@@ -266,8 +267,8 @@ def test_target_without_offload() -> None:
     d["decisions"][0]["target"] = "cpu"
     with pytest.raises(ValueError, match="invalid at decisions/0/target"):
         load_plan(d)
-    with pytest.raises(ValueError, match="only offload decisions take a target"):
-        Decision("1", "keep", target="cpu")
+    with pytest.raises(PlanFileError, match="invalid at decisions/0/target"):
+        make_plan(decisions=(Decision("1", "keep", target="cpu"),))
 
 
 def test_unknown_keys_rejected_except_config(tmp_path: Path) -> None:
@@ -296,8 +297,8 @@ def test_semantic_errors_are_value_errors() -> None:
     d["decisions"] = [d["decisions"][2]]  # op decision without its recompute parent
     with pytest.raises(ValueError, match="plan is invalid: op decision"):
         load_plan(d)
-    with pytest.raises(ValueError, match="finite"):
-        SolverInfo(status="INFEASIBLE", objective=0.0, bound=0.0, gap=float("inf"), wall_s=1.0)
+    with pytest.raises(PlanFileError, match="solver/gap must be a finite number"):
+        dataclasses.replace(make_plan(), solver=SolverInfo("INFEASIBLE", 0.0, 0.0, float("inf"), 1.0))
 
 
 def test_schema_is_valid_draft_2020_12() -> None:
@@ -342,8 +343,9 @@ def test_model_info_counts() -> None:
     info = model_info(make_model(), "spec")
     assert info.num_modules == 7  # root, 0, 1, 2, 3, 3.0, 3.1
     assert info.num_parameters == (4 * 8 + 8) + 16 + (8 * 4 + 4) + 8
-    with pytest.raises(ValueError, match="fingerprint"):
-        ModelInfo(spec="s", fingerprint="md5:0", num_parameters=1, num_modules=1)
+    with pytest.raises(PlanFileError, match="invalid at model/fingerprint"):
+        bad = ModelInfo(spec="s", fingerprint="md5:0", num_parameters=1, num_modules=1)
+        dataclasses.replace(make_plan(), model=bad)
 
 
 def test_check_plan_matches() -> None:
