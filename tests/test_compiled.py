@@ -10,13 +10,17 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models_for_tests import gpt_small, resnet_small
+from models_for_tests import PATH, gpt_small, resnet_small
 from torch._subclasses import FakeTensorMode
 
 from costmodels.hardware import get_device
+from planner.api import trace_for
+from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget
-from planner.runtime.compiled import compile_blocks
-from planner.solver.compiled import CompiledPoint, block_call, block_frontier, choose_budgets
+from planner.runtime.compiled import compile_blocks, profiled_peak_bytes
+from planner.runtime.tracker import LiveBytesTracker
+from planner.simulation.step import simulate
+from planner.solver.compiled import CompiledPoint, block_call, block_frontier, choose_budgets, plan_compiled
 
 BATCH, SEQ = 2, 32
 
@@ -93,3 +97,38 @@ def test_blocks_compiled_at_their_budgets():
     assert "forward" not in model.h[0].__dict__
     with pytest.raises(ValueError, match="outside"):
         compile_blocks(model, {"h.0": 1.5})
+
+
+def test_profiled_peak_matches_the_tracker_in_eager_and_drops_compiled():
+    torch.manual_seed(0)
+    model, inputs = gpt_small(BATCH, SEQ)
+    model(*inputs).backward()  # warm-up: gradients exist from here on
+
+    def step():
+        model(*inputs).backward()
+
+    tracker = LiveBytesTracker()
+    tracker.track_all([list(model.parameters()), [p.grad for p in model.parameters()], inputs])
+    start = tracker.live_bytes
+    with tracker:
+        step()
+    eager = profiled_peak_bytes(step)
+    assert eager == tracker.peak_bytes - start
+    handle = compile_blocks(model, {f"h.{i}": 0.0 for i in range(4)}, backend="aot_eager_decomp_partition")
+    step()  # compiles
+    assert profiled_peak_bytes(step) < eager
+    handle.remove()
+
+
+def test_plan_compiled_fits_the_budget():
+    spec, config = f"{PATH}:gpt_small", TrainConfig(batch_size=BATCH, seq_len=SEQ)
+    peak = simulate(trace_for(spec, config), config).peak_bytes
+    roomy = plan_compiled(spec, config, peak, budgets=(1.0, 0.5, 0.0))
+    assert set(roomy.budgets) == {f"h.{i}" for i in range(4)} and set(roomy.budgets.values()) == {1.0}
+    assert roomy.recompute_s == 0.0 and roomy.predicted_peak_bytes == peak
+    saved = roomy.frontiers[next(iter(roomy.frontiers))][0].saved_bytes
+    tight = plan_compiled(spec, config, peak - 2 * saved, budgets=(1.0, 0.5, 0.0))
+    assert tight.predicted_peak_bytes <= peak - 2 * saved and tight.recompute_s > 0
+    assert sorted(tight.budgets.values())[:2] != [1.0, 1.0]
+    with pytest.raises(InfeasibleBudget):
+        plan_compiled(spec, config, peak - 5 * saved, budgets=(1.0, 0.5, 0.0))

@@ -5,6 +5,9 @@ and Dynamo caches compiled code per code object, so blocks of one class would sh
 block's split. Each distinct budget therefore gets its own copy of a small trampoline function
 (its own code object, so its own cache entry), compiled while that budget is set; blocks with the
 same budget share it.
+
+memplan's LiveBytesTracker does not see the buffers inductor's generated code allocates, so the
+peak of a compiled step is measured from the profiler's memory events instead.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch._functorch import config as functorch_config
+from torch.profiler import ProfilerActivity, profile
+from torch.profiler._memory_profiler import Action
 
-__all__ = ["CompiledBlocks", "compile_blocks"]
+__all__ = ["CompiledBlocks", "compile_blocks", "profiled_peak_bytes"]
 
 
 def _trampoline(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -66,3 +71,18 @@ def compile_blocks(model: nn.Module, budgets: Mapping[str, float], backend: str 
             compiled[budget] = torch.compile(_own_code(budget), backend=backend)
         handle.install(model.get_submodule(path), budget, compiled[budget])
     return handle
+
+
+def profiled_peak_bytes(step: Callable[[], Any]) -> int:
+    """Peak of the bytes allocated (and not yet freed) while `step` runs, from torch.profiler's memory
+    timeline: it sees every allocation, inductor's included. Storages that exist before are not counted."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        step()
+    live = peak = 0
+    for _t, action, _key, nbytes in prof._memory_profile().timeline:
+        if action == Action.CREATE:
+            live += nbytes
+        elif action == Action.DESTROY:
+            live -= nbytes
+        peak = max(peak, live)
+    return peak

@@ -29,15 +29,29 @@ from torch import nn
 from torch._functorch import config as functorch_config
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.decomposition import select_decomp_table
+from torch._subclasses import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from costmodels.flops import op_bytes_accessed, op_flops
-from costmodels.hardware import DeviceSpec
+from costmodels.hardware import DeviceSpec, get_device
 from costmodels.runtime import BANDWIDTH_EFFICIENCY, op_time_s
+from planner.api import trace_for
+from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget
+from planner.simulation.step import simulate
+from planner.tracing.hf import skip_init
 from planner.tracing.op_classes import ATTENTION_OPS, CONV_OPS, MATMUL_OPS
+from planner.tracing.specs import resolve_spec
 
-__all__ = ["BUDGETS", "CompiledPoint", "block_call", "block_frontier", "choose_budgets"]
+__all__ = [
+    "BUDGETS",
+    "CompiledPlan",
+    "CompiledPoint",
+    "block_call",
+    "block_frontier",
+    "choose_budgets",
+    "plan_compiled",
+]
 
 BUDGETS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
 _HEAVY = MATMUL_OPS | CONV_OPS | ATTENTION_OPS
@@ -240,3 +254,56 @@ def choose_budgets(
             "CP-SAT found no per-block budgets in time; raise the time limit", smallest_peak_bytes=least
         )
     return [f[next(j for j, v in enumerate(row) if solver.value(v))] for row, f in zip(picks, frontiers)]
+
+
+@dataclass(frozen=True)
+class CompiledPlan:
+    """Per-block activation budgets for a compiled step, with what memplan predicts for it.
+
+    The compiled peak is predicted from the eager simulation: the no-plan peak, less what the blocks
+    save at budget 1.0, plus what they save at their chosen points (the rest of the step is taken
+    to be as eager runs it).
+    """
+
+    budget_bytes: int
+    budgets: dict[str, float]
+    predicted_peak_bytes: int
+    recompute_s: float
+    overhead: float
+    frontiers: dict[str, list[CompiledPoint]]  # block signature -> its frontier
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "frontiers": {k: [p.to_dict() for p in f] for k, f in self.frontiers.items()}}
+
+
+def plan_compiled(
+    spec: str, config: TrainConfig, budget_bytes: int, time_limit_s: float = 10.0, budgets: Sequence[float] = BUDGETS
+) -> CompiledPlan:
+    """Per-block activation budgets for torch.compile under a peak budget (one frontier per block
+    signature, computed on fake tensors)."""
+    graph = trace_for(spec, config)
+    timeline = simulate(graph, config)
+    device = get_device(config.gpu)
+    frontiers: dict[str, list[CompiledPoint]] = {}
+    with FakeTensorMode(allow_non_fake_inputs=True), skip_init():
+        model, inputs = resolve_spec(spec).build(batch_size=config.batch_size, seq_len=config.seq_len)
+        model.train()
+        for region in graph.regions:
+            if region.signature not in frontiers:
+                args, kwargs = block_call(model, inputs, region.path)
+                frontiers[region.signature] = block_frontier(
+                    model.get_submodule(region.path), args, kwargs, device, budgets
+                )
+    rows = [frontiers[r.signature] for r in graph.regions]
+    rest = timeline.peak_bytes - sum(f[0].saved_bytes for f in rows)  # f[0]: budget 1.0, no recompute
+    chosen = choose_budgets(rows, budget_bytes - rest, time_limit_s)
+    recompute_s = sum(p.recompute_s for p in chosen)
+    step_s = timeline.costs.step_s
+    return CompiledPlan(
+        budget_bytes,
+        {r.path: p.budget for r, p in zip(graph.regions, chosen)},
+        rest + sum(p.saved_bytes for p in chosen),
+        recompute_s,
+        recompute_s / step_s if step_s else 0.0,
+        frontiers,
+    )
