@@ -24,12 +24,21 @@ accepted, a path to such a file is too (:func:`get_device`).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 GiB = 1024**3
+
+
+def _host_memory_bytes() -> int:
+    """This machine's physical RAM (what `--gpu cpu` can hold); 64 GiB where the OS does not say."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return 64 * GiB
 MiB = 1024**2
 
 
@@ -55,8 +64,9 @@ class DeviceSpec:
 
 
 DEVICES: dict[str, DeviceSpec] = {
-    # Modest server CPU: ~2 TFLOP/s bf16 (AMX/AVX-512), DDR5 ~50 GB/s; host link = memory bandwidth.
-    "cpu": DeviceSpec("cpu", 64 * GiB, 2e12, 1e12, 50e9, 50e9, 2e9, False, 10e9, 12.5e9, 1),
+    # This machine's RAM; a modest server CPU: ~2 TFLOP/s bf16 (AMX/AVX-512), DDR5 ~50 GB/s;
+    # host link = memory bandwidth.
+    "cpu": DeviceSpec("cpu", _host_memory_bytes(), 2e12, 1e12, 50e9, 50e9, 2e9, False, 10e9, 12.5e9, 1),
     # A100 SXM4 40GB: 312 TFLOP/s bf16, 19.5 TFLOP/s fp32, 1555 GB/s HBM2, PCIe gen4.
     "a100-40gb": DeviceSpec("a100-40gb", 40 * GiB, 312e12, 19.5e12, 1.555e12, 25e9, 3e9, True, 300e9, 25e9),
     # A100 SXM4 80GB: 80 GiB HBM2e, 2039 GB/s.
