@@ -8,6 +8,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # transformers.Trainer needs it
 
 from planner.integrations.hf import MemplanCallback  # noqa: E402
 
