@@ -11,11 +11,11 @@ import os
 import sys
 from typing import Callable
 
-from planner.cli import apply, calibrate, diagnose, fit, plan, simulate, verify
+from planner.cli import apply, calibrate, diagnose, fit, plan, simulate, verify, watch
 
 __all__ = ["main"]
 
-SUBCOMMANDS = (simulate, verify, plan, apply, diagnose, fit, calibrate)
+SUBCOMMANDS = (simulate, verify, plan, apply, diagnose, fit, calibrate, watch)
 
 
 class _Parser(argparse.ArgumentParser):
