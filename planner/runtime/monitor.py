@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 import torch
 from torch import nn
@@ -166,7 +166,7 @@ class MemoryMonitor:
     def on_cuda(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_available()
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> MemoryMonitor:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.log_path.open("w")
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
