@@ -14,7 +14,8 @@ __all__ = ["register", "run", "budget_for"]
 
 EXAMPLE = ("memplan plan --model llama-70b --gpu h100-80gb --seq-len 4096 --precision bf16-mixed "
            "--zero 3 --dp 32 --out plan.json\n"
-           "  memplan plan --model llama-7b-tiny --seq-len 64 --budget 6MiB --offload disk --out plan.json")
+           "  memplan plan --model llama-7b-tiny --batch-size 8 --seq-len 256 --budget 36MiB --offload disk "
+           "--out plan.json")
 
 
 def register(add) -> None:
