@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _build_parser().parse_args(argv)
         command = f"memplan {args.command}"
         args.fn(args)
+        sys.stdout.flush()  # a closed pipe fails here, inside the try, not at interpreter exit
     except BrokenPipeError:  # output piped into `head` and closed: not an error (an OSError, so first)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit-time flush must not fail
         return 0
