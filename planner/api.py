@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -10,13 +13,15 @@ from pathlib import Path
 import torch
 
 from costmodels.memory import get_precision
-from planner.config import TrainConfig
+from planner.config import DEFAULT_TIME_LIMIT_S, TrainConfig
 from planner.errors import InfeasibleBudget
-from planner.plans.format import Plan, PlanLadder, load_plan
+from planner.plans.format import Plan, PlanLadder, check_plan_matches, load_plan
+from planner.runtime.apply import apply_plan
 from planner.runtime.auto import parse_budget
 from planner.runtime.dryrun import dry_run, planned_errors
 from planner.runtime.verify import Measurement, measure_step
 from planner.simulation.step import Timeline, simulate
+from planner.solver.planning import compare_strategies, solve
 from planner.tracing.hf import disable_kv_cache
 from planner.tracing.recorder import trace
 from planner.tracing.specs import resolve_spec
@@ -65,8 +70,6 @@ class VerifyResult:
 def verify_model(spec: str, config: TrainConfig, plan: Plan | PlanLadder | str | None = None,
                  seed: int = 0) -> VerifyResult:
     """Build the real model on CPU, run a warm-up and a measured step, compare with the simulator."""
-    from planner.runtime.apply import apply_plan
-
     if config.gpu != "cpu":
         raise ValueError(f"verify runs on this machine's CPU; use --gpu cpu (got {config.gpu})")
     if get_precision(config.precision).autocast_dtype == torch.float16:
@@ -99,11 +102,9 @@ def trace_for(spec: str, config: TrainConfig, lifetimes: bool = True):
 
 
 def plan_model(spec: str, config: TrainConfig, budget_bytes: int | str, *, strategy: str = "optimal",
-               offload: str | None = None, keep=(), recompute=(), time_limit_s: float = 10.0):
+               offload: str | None = None, keep=(), recompute=(), time_limit_s: float = DEFAULT_TIME_LIMIT_S):
     """Trace, compare the baseline strategies and solve: (plan, comparison rows, no-plan peak).
     `budget_bytes` may be a percentage of the no-plan peak ('60%')."""
-    from planner.solver.planning import compare_strategies, solve
-
     graph = trace_for(spec, config)
     if isinstance(budget_bytes, str):
         budget_bytes = parse_budget(budget_bytes, simulate(graph, config).peak_bytes)
@@ -136,8 +137,6 @@ def _check_without_blocks(graph, config: TrainConfig, budget_bytes: int) -> None
 def check_plan_for_spec(spec: str, config: TrainConfig, plan_path: str) -> str:
     """Build the model on the meta device, check the plan matches it, run it once on fake
     tensors (a plan that would fail is refused naming the module), describe what it wraps."""
-    from planner.plans.format import check_plan_matches
-
     plan = load_plan(plan_path)
     plans = [p for _, p in plan.buckets] if isinstance(plan, PlanLadder) else [plan]
     with torch.device("meta"):
@@ -165,10 +164,6 @@ def _simulate_dict(args: tuple[str, TrainConfig, str | None]) -> dict:
 def simulate_sweep(spec: str, configs: list[TrainConfig], plan: str | None = None,
                    workers: int | None = None) -> list[dict]:
     """Simulate several configs (a sequence-length sweep), tracing them in parallel processes."""
-    import multiprocessing
-    import os
-    from concurrent.futures import ProcessPoolExecutor
-
     workers = min(len(configs), workers or os.cpu_count() or 1)
     jobs = [(spec, c, plan) for c in configs]
     if workers <= 1 or len(configs) <= 1:

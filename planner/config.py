@@ -7,7 +7,10 @@ from dataclasses import asdict, dataclass, replace
 from costmodels.hardware import get_device
 from costmodels.memory import check_optimizer, get_precision
 
-__all__ = ["MP_DTYPES", "TrainConfig"]
+__all__ = ["DEFAULT_RESERVE", "DEFAULT_TIME_LIMIT_S", "MP_DTYPES", "TrainConfig"]
+
+DEFAULT_RESERVE = 0.05  # fraction of the device kept free for the allocator and the CUDA context
+DEFAULT_TIME_LIMIT_S = 10.0  # CP-SAT's deterministic time limit per solve
 
 # FSDP2 MixedPrecisionPolicy dtypes -> the precision preset whose trace gathers parameters in that dtype
 MP_DTYPES = {"float32": "fp32", "bfloat16": "bf16-mixed", "float16": "fp16-mixed"}

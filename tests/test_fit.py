@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 
 from costmodels.hardware import get_device
-from planner.analysis.fit import RESERVE, FitResult, fit, largest_fitting
+from planner.analysis.fit import FitResult, fit, largest_fitting
 from planner.api import trace_for
-from planner.config import TrainConfig
+from planner.config import DEFAULT_RESERVE, TrainConfig
 from planner.errors import InfeasibleBudget
 from planner.simulation.step import simulate
 from planner.solver.planning import solve
 
 CONFIG = TrainConfig(batch_size=1, seq_len=4096, precision="bf16-mixed", gpu="a100-40gb")
-BUDGET = int(get_device("a100-40gb").memory_bytes * (1 - RESERVE))
+BUDGET = int(get_device("a100-40gb").memory_bytes * (1 - DEFAULT_RESERVE))
 
 
 @pytest.fixture(scope="module")

@@ -16,16 +16,21 @@ from typing import Any
 
 from costmodels.allocator import AllocatorEstimate, simulate_allocator
 from costmodels.hardware import get_device
-from planner.config import TrainConfig
+from planner.analysis.oom_message import explain_oom_message
+from planner.analysis.snapshot import read_snapshot
+from planner.api import trace_for
+from planner.config import DEFAULT_RESERVE, DEFAULT_TIME_LIMIT_S, TrainConfig
+from planner.errors import InfeasibleBudget
 from planner.simulation.costs import model_states_for, storage_bytes
 from planner.simulation.step import Timeline, simulate, step_events
+from planner.solver.planning import solve
 from planner.tracing.graph import OpGraph
+from planner.units import format_bytes
 
 __all__ = ["Remedy", "Diagnosis", "diagnose", "diagnose_snapshot", "diagnose_oom_message",
            "allocator_events", "allocator_estimate", "VERDICTS"]
 
 VERDICTS = ("oom-init", "oom-iteration", "at-risk", "fits")
-PLAN_BUDGET_FRACTION = 0.95  # checkpoint/offload plans aim at 95% of the device
 MIN_FRAGMENTATION_FRACTION = 0.02  # the allocator is expected to add at least 2% of the device
 MAX_SEQ_TRACES = 6  # bound on re-traces while searching the longest fitting sequence
 MAX_BATCH_TRACES = 3  # bound on re-traces while halving the micro-batch
@@ -135,8 +140,6 @@ class _Traces:
         self._graphs: dict[tuple, OpGraph] = {}
 
     def __call__(self, config: TrainConfig) -> OpGraph:
-        from planner.api import trace_for
-
         key = (config.batch_size, config.seq_len, config.precision, config.zero_stage == 3)
         if key not in self._graphs:
             self._graphs[key] = trace_for(self.spec, config)
@@ -189,10 +192,6 @@ def _longest_seq(traces: _Traces, config: TrainConfig, capacity: int) -> int | N
 # -- remedies -------------------------------------------------------------------------------------
 def _remedies(traces: _Traces, config: TrainConfig, base: Timeline, verdict: str,
               capacity: int, time_limit_s: float) -> list[Remedy]:
-    from planner.errors import InfeasibleBudget
-    from planner.solver.planning import solve
-    from planner.units import format_bytes
-
     device = get_device(config.gpu)
     graph = traces(config)
     out: list[Remedy] = []
@@ -225,7 +224,7 @@ def _remedies(traces: _Traces, config: TrainConfig, base: Timeline, verdict: str
     if best is not None:
         out.append(best)
     if verdict != "oom-init":
-        budget = int(capacity * PLAN_BUDGET_FRACTION)
+        budget = int(capacity * (1 - DEFAULT_RESERVE))
         targets = [(None, "checkpoint plan", "recompute what the solver picks (memplan plan)")]
         if device.is_cuda:
             targets.append(("cpu", "offload plan", "recompute or offload to host memory (memplan plan --offload cpu)"))
@@ -268,7 +267,7 @@ def _remedies(traces: _Traces, config: TrainConfig, base: Timeline, verdict: str
 
 
 # -- entry points -----------------------------------------------------------------------------------
-def diagnose(spec: str, config: TrainConfig, *, remedies: bool = True, time_limit_s: float = 10.0) -> Diagnosis:
+def diagnose(spec: str, config: TrainConfig, *, remedies: bool = True, time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> Diagnosis:
     """Trace and simulate one step of `spec` under `config` on `config.gpu`, classify it, rank remedies."""
     capacity = get_device(config.gpu).memory_bytes
     traces = _Traces(spec)
@@ -309,31 +308,26 @@ def diagnose(spec: str, config: TrainConfig, *, remedies: bool = True, time_limi
 
 def _summary(verdict: str, spec: str, config: TrainConfig, tl: Timeline, states: int, capacity: int,
              expected: int, longest: int | None) -> str:
-    from planner.units import format_bytes as fb
-
     where = f"{tl.peak_phase} at {tl.peak_op} (module '{tl.peak_module or '<root>'}')"
     if verdict == "oom-init":
-        return (f"out of memory before the first step: model states need {fb(states)} per device, "
-                f"more than the {fb(capacity)} of {config.gpu}")
+        return (f"out of memory before the first step: model states need {format_bytes(states)} per device, "
+                f"more than the {format_bytes(capacity)} of {config.gpu}")
     if verdict == "oom-iteration":
         tail = (f"; the longest sequence that fits is {longest}" if longest
                 else "; no sequence length fits at this batch size")
-        return f"out of memory during the step: peak {fb(tl.peak_bytes)} in {where} exceeds {fb(capacity)}{tail}"
+        peak, device = format_bytes(tl.peak_bytes), format_bytes(capacity)
+        return f"out of memory during the step: peak {peak} in {where} exceeds {device}{tail}"
     if verdict == "at-risk":
-        return (f"fits with {fb(capacity - tl.peak_bytes)} headroom, less than the allocator's expected "
-                f"overhead {fb(expected)}: a real run may OOM (peak in {where})")
-    return f"peak {fb(tl.peak_bytes)} in {where} leaves {fb(capacity - tl.peak_bytes)} headroom"
+        return (f"fits with {format_bytes(capacity - tl.peak_bytes)} headroom, less than the allocator's expected "
+                f"overhead {format_bytes(expected)}: a real run may OOM (peak in {where})")
+    return f"peak {format_bytes(tl.peak_bytes)} in {where} leaves {format_bytes(capacity - tl.peak_bytes)} headroom"
 
 
 def diagnose_snapshot(path: str):
     """Read and analyse a CUDA caching-allocator snapshot file (planner.analysis.snapshot.SnapshotReport)."""
-    from planner.analysis.snapshot import read_snapshot
-
     return read_snapshot(path)
 
 
 def diagnose_oom_message(text: str):
     """Explain a CUDA out-of-memory message (planner.analysis.oom_message.OomExplanation)."""
-    from planner.analysis.oom_message import explain_oom_message
-
     return explain_oom_message(text)

@@ -11,13 +11,16 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from costmodels.hardware import get_device
-from planner.config import TrainConfig
+from planner.api import trace_for
+from planner.config import DEFAULT_RESERVE, DEFAULT_TIME_LIMIT_S, TrainConfig
+from planner.errors import InfeasibleBudget, SolverTimeout
 from planner.simulation.step import simulate
+from planner.solver.baselines import strategy_choices
+from planner.solver.planning import solve
 from planner.tracing.graph import OpGraph
 
-__all__ = ["FitResult", "fit", "largest_fitting", "RESERVE"]
+__all__ = ["FitResult", "fit", "largest_fitting"]
 
-RESERVE = 0.05  # fraction of the device kept free for the allocator and the CUDA context
 MAX_SIZE_TRACES = 12  # bound on traces per dimension in largest_fitting
 
 
@@ -60,8 +63,6 @@ class _Checker:
 
     def plan_fits(self, config: TrainConfig) -> bool:
         """A plan exists: the step fits as is, full recompute fits, or the solver finds one."""
-        from planner.solver.baselines import strategy_choices
-
         if self.fits(config):
             return True
         states = self.bare(config).model_states
@@ -73,15 +74,12 @@ class _Checker:
 
     def plan(self, config: TrainConfig):
         """The optimal plan under the budget (None when infeasible)."""
-        from planner.errors import InfeasibleBudget
-        from planner.solver.planning import solve
-
         if config not in self._plan:
             try:
                 self._plan[config] = solve(self.graph, config, self.budget, time_limit_s=self.time_limit_s)
             except InfeasibleBudget:
                 self._plan[config] = None
-            except ValueError:  # the solver ran out of time: fall back to full recompute if it fits
+            except SolverTimeout:  # fall back to full recompute if it fits
                 try:
                     self._plan[config] = solve(self.graph, config, self.budget, strategy="full")
                 except InfeasibleBudget:
@@ -126,11 +124,9 @@ def _smallest(ok: Callable[[int], bool], limit: int) -> int | None:
     return hi
 
 
-def fit(spec: str, config: TrainConfig, max_gpus: int = 4096, *, reserve: float = RESERVE,
-        time_limit_s: float = 10.0) -> FitResult:
+def fit(spec: str, config: TrainConfig, max_gpus: int = 4096, *, reserve: float = DEFAULT_RESERVE,
+        time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> FitResult:
     """Smallest ZeRO-3 data-parallel degree on which a step fits `config.gpu`, without and with a plan."""
-    from planner.api import trace_for
-
     if not isinstance(max_gpus, int) or max_gpus < 1:
         raise ValueError(f"max gpus must be a positive integer, got {max_gpus!r}")
     if not 0 <= reserve < 1:
@@ -174,13 +170,11 @@ def _largest(ok: Callable[[int], bool], start: int, max_traces: int) -> tuple[in
     return None, False
 
 
-def largest_fitting(spec: str, config: TrainConfig, gpus: int, *, reserve: float = RESERVE,
-                    time_limit_s: float = 10.0, max_traces: int = MAX_SIZE_TRACES) -> dict:
+def largest_fitting(spec: str, config: TrainConfig, gpus: int, *, reserve: float = DEFAULT_RESERVE,
+                    time_limit_s: float = DEFAULT_TIME_LIMIT_S, max_traces: int = MAX_SIZE_TRACES) -> dict:
     """Largest micro-batch (at config.seq_len) and sequence length (at config.batch_size) that fit on
     `gpus` GPUs (ZeRO-3 when gpus > 1), without and with a plan: the config's size times or divided
     by powers of two."""
-    from planner.api import trace_for
-
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
     capacity = get_device(config.gpu).memory_bytes
@@ -207,8 +201,10 @@ def largest_fitting(spec: str, config: TrainConfig, gpus: int, *, reserve: float
                            "budget_bytes": budget, "capacity_bytes": capacity}
     for name, start, make in (("batch_size", config.batch_size, lambda n: (n, config.seq_len)),
                               ("seq_len", config.seq_len, lambda n: (config.batch_size, n))):
-        bare, bare_capped = _largest(lambda n: test(*make(n), False, name), start, max_traces)
-        planned, plan_capped = _largest(lambda n: test(*make(n), True, name), bare or start, max_traces)
+        bare, bare_capped = _largest(lambda n, make=make, name=name: test(*make(n), False, name), start, max_traces)
+        planned, plan_capped = _largest(
+            lambda n, make=make, name=name: test(*make(n), True, name), bare or start, max_traces
+        )
         entry: dict[str, Any] = {"without_plan": bare, "with_plan": planned, "limited_by": limits.get(name),
                                  "without_plan_at_least": bare_capped, "with_plan_at_least": plan_capped}
         if bare is not None:

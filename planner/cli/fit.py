@@ -6,6 +6,7 @@ from costmodels.hardware import get_device
 from planner.analysis.fit import fit, largest_fitting
 from planner.cli import report
 from planner.cli.options import add_model_options, config_from_args, write_json
+from planner.config import DEFAULT_RESERVE, DEFAULT_TIME_LIMIT_S
 from planner.units import format_bytes
 
 __all__ = ["register", "run"]
@@ -76,5 +77,5 @@ def register(add) -> None:
     add_model_options(p, sweep=False)
     p.add_argument("--gpus", type=int, help="report the largest batch and sequence that fit on this many GPUs")
     p.add_argument("--max-gpus", type=int, default=4096, help="largest GPU count to consider")
-    p.add_argument("--reserve", type=float, default=0.05, help="fraction of each GPU kept free")
-    p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds per plan")
+    p.add_argument("--reserve", type=float, default=DEFAULT_RESERVE, help="fraction of each GPU kept free")
+    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="solver time limit in seconds per plan")

@@ -6,6 +6,7 @@ from costmodels.hardware import get_device
 from planner.api import plan_model
 from planner.cli import report
 from planner.cli.options import add_model_options, config_from_args, write_json
+from planner.config import DEFAULT_RESERVE, DEFAULT_TIME_LIMIT_S
 from planner.plans.format import PlanLadder
 from planner.tracing.moe import describe_routing
 from planner.units import format_bytes, parse_bytes
@@ -14,8 +15,7 @@ __all__ = ["register", "run", "budget_for"]
 
 EXAMPLE = ("memplan plan --model llama-70b --gpu h100-80gb --seq-len 4096 --precision bf16-mixed "
            "--zero 3 --dp 32 --out plan.json\n"
-           "  memplan plan --model llama-7b-tiny --batch-size 8 --seq-len 256 --budget 36MiB --offload disk "
-           "--out plan.json")
+           "  memplan plan --model llama-7b-tiny --seq-len 64 --budget 6MiB --offload disk --out plan.json")
 
 
 def register(add) -> None:
@@ -24,14 +24,14 @@ def register(add) -> None:
     add_model_options(p, default_gpu="cpu")
     p.add_argument("--budget", help="peak-memory budget: a size (40GiB, 123456789B) or a percentage of the no-plan "
                                     "peak (60%%) (default: GPU capacity less --reserve)")
-    p.add_argument("--reserve", type=float, default=0.05, help="fraction of the GPU kept free when --budget is not given")
+    p.add_argument("--reserve", type=float, default=DEFAULT_RESERVE, help="fraction of the GPU kept free when --budget is not given")
     p.add_argument("--offload", default="none", help="allow offloading to: none, cpu, disk")
     p.add_argument("--strategy", default="optimal",
                    help="optimal, none, full, every-N (e.g. every-2), sqrt, op-sac (torch's op-level SAC), "
                         "op-sac-alt (torchtitan's: also recomputes every second matmul), megatron-selective")
     p.add_argument("--keep", action="append", default=[], metavar="GLOB", help="never recompute modules matching GLOB")
     p.add_argument("--recompute", action="append", default=[], metavar="GLOB", help="always recompute modules matching GLOB")
-    p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds")
+    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="solver time limit in seconds")
     p.add_argument("--out", required=True, help="plan file to write (JSON)")
 
 

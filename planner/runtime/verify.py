@@ -16,6 +16,7 @@ from torch import nn
 from costmodels.memory import get_precision
 from planner.config import TrainConfig
 from planner.runtime.tracker import LiveBytesTracker
+from planner.tracing.recorder import loss_of, run_step_inputs
 
 __all__ = ["Measurement", "make_optimizer", "measure_step"]
 
@@ -49,8 +50,6 @@ def make_optimizer(params, name: str) -> torch.optim.Optimizer | None:
 
 
 def _step(model: nn.Module, inputs, optimizer, precision: str):
-    from planner.tracing.recorder import loss_of, run_step_inputs
-
     autocast_dtype = get_precision(precision).autocast_dtype
     ctx = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
     with ctx:

@@ -23,7 +23,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from costmodels.hardware import get_device
-from planner.config import TrainConfig
+from planner.config import DEFAULT_TIME_LIMIT_S, TrainConfig
 from planner.errors import InfeasibleBudget, SolverTimeout
 from planner.signals import interruptible
 from planner.simulation.costs import op_times, storage_bytes
@@ -349,7 +349,7 @@ def _infeasible(graph: OpGraph, config: TrainConfig, budget: int, p: _Problem,
 
 
 def solve_choices(graph: OpGraph, config: TrainConfig, budget_bytes: int, *, offload: str | None = None,
-                  keep: Sequence[str] = (), recompute: Sequence[str] = (), time_limit_s: float = 20.0) -> SolveResult:
+                  keep: Sequence[str] = (), recompute: Sequence[str] = (), time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> SolveResult:
     """Cheapest span choices whose simulated peak fits `budget_bytes` (CP-SAT, deterministic)."""
     if budget_bytes <= 0:
         raise ValueError(f"budget must be positive, got {budget_bytes}")

@@ -12,8 +12,8 @@ block's backward; the solver adds these up exactly as :func:`planner.simulation.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import numpy as np
 

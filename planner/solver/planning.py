@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
-from planner.config import TrainConfig
+from planner.config import DEFAULT_TIME_LIMIT_S, TrainConfig
 from planner.errors import InfeasibleBudget
 from planner.plans.format import Decision, ModelInfo, Plan, Predicted, SolverInfo
 from planner.simulation.effects import SpanChoice, op_keys
@@ -14,6 +14,7 @@ from planner.simulation.step import Timeline, simulate
 from planner.solver.baselines import check_strategy, strategy_choices
 from planner.solver.cpsat import solve_choices
 from planner.tracing.graph import OpGraph
+from planner.units import format_bytes
 
 __all__ = ["solve", "decisions_for", "StrategyRow", "compare_strategies", "BASELINES"]
 
@@ -53,7 +54,7 @@ def _plan(graph: OpGraph, config: TrainConfig, budget_bytes: int, strategy: str,
 
 def solve(graph: OpGraph, config: TrainConfig, budget_bytes: int, *, strategy: str = "optimal",
           offload: str | None = None, keep: Sequence[str] = (), recompute: Sequence[str] = (),
-          time_limit_s: float = 10.0) -> Plan:
+          time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> Plan:
     """The plan of a strategy under a budget; `optimal` asks CP-SAT for the cheapest one.
 
     Raises InfeasibleBudget (a ValueError naming the smallest reachable peak) when nothing fits.
@@ -71,8 +72,6 @@ def solve(graph: OpGraph, config: TrainConfig, budget_bytes: int, *, strategy: s
     choices = strategy_choices(graph, strategy)
     timeline = simulate(graph, config, choices=choices)
     if timeline.peak_bytes > budget_bytes:
-        from planner.units import format_bytes
-
         raise InfeasibleBudget(
             f"strategy '{strategy}' peaks at {format_bytes(timeline.peak_bytes)}, over the budget "
             f"{format_bytes(budget_bytes)}; use --strategy optimal or raise --budget",

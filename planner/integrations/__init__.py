@@ -1,1 +1,0 @@
-"""Integrations with training frameworks (optional dependencies, imported only when used)."""
