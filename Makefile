@@ -20,6 +20,8 @@ demo: install
 		--plot demo_memory.png --json demo_memory.json
 
 test: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest tests
 
 bench: install

@@ -11,8 +11,9 @@ max_split_size_mb, roundup_power2_divisions, garbage collection and OOM retries.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any
 
 kMinBlockSize = 512
 kSmallSize = 1 << 20

@@ -7,8 +7,9 @@ ZeRO sharding follows DeepSpeed (stage 1: optimizer states, 2: + gradients, 3: +
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

@@ -74,7 +74,7 @@ class TrainConfig:
                                  f"use precision {preset} or fp32")
             object.__setattr__(self, "precision", preset)
 
-    def with_(self, **changes) -> "TrainConfig":
+    def with_(self, **changes) -> TrainConfig:
         return replace(self, **changes)
 
     def to_dict(self) -> dict:

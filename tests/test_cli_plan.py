@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 
 import pytest
 from cli_helpers import assert_user_error, run
@@ -22,7 +22,7 @@ LLAMA = f"{PATH}:llama_small"
 ARGS = ["--model", GPT, "--batch-size", "2", "--seq-len", "64"]
 
 
-@lru_cache(maxsize=None)
+@cache
 def peaks(seq_len: int = 64) -> dict[str, int]:
     config = TrainConfig(batch_size=2, seq_len=seq_len)
     graph = trace_for(GPT, config)

@@ -4,7 +4,7 @@ budget when measured and match the prediction; baselines, determinism, --keep/--
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import torch
@@ -31,13 +31,13 @@ CONFIGS = {
 FRACTION = 0.60
 
 
-@lru_cache(maxsize=None)
+@cache
 def graph_of(name: str):
     spec, config = CONFIGS[name]
     return trace_for(spec, config)
 
 
-@lru_cache(maxsize=None)
+@cache
 def sixty_percent_plan(name: str, offload: str | None = None) -> tuple[Plan, int]:
     spec, config = CONFIGS[name]
     baseline = simulate(graph_of(name), config).peak_bytes

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from exhaustive import exhaustive_solve
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from exhaustive import exhaustive_solve
 from models_for_tests import random_net
 from torch._subclasses import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -90,8 +91,7 @@ def test_parameters_never_activations_and_gradients_cover_them(traced, preset):
     assert param_bytes == 4 * g.num_parameters  # fp32
     grads = [t for t in g.tensors.values() if t.category == "gradient"]
     assert sum(t.nbytes for t in grads) == param_bytes
-    numel = lambda shape: __import__("math").prod(shape)
-    assert sorted(numel(t.shape) for t in grads) == sorted(numel(s) for s in g.param_shapes)
+    assert sorted(math.prod(t.shape) for t in grads) == sorted(math.prod(s) for s in g.param_shapes)
     assert all(t.alloc_op >= g.backward_start and t.free_op is None for t in grads)
     assert all(t.category in CATEGORIES for t in g.tensors.values())
 
@@ -164,7 +164,10 @@ def test_trace_is_deterministic(traced):
 def test_activations_scale_with_batch(traced):
     one = traced("llama-7b-tiny", 1, 32, "fp32")
     two = traced("llama-7b-tiny", 2, 32, "fp32")
-    act = lambda g: sum(t.nbytes for t in g.tensors.values() if t.category == "activation" and t.alloc_op >= 0)
+
+    def act(g):
+        return sum(t.nbytes for t in g.tensors.values() if t.category == "activation" and t.alloc_op >= 0)
+
     assert act(two) == pytest.approx(2 * act(one), rel=0.02)
     assert len(one.ops) == len(two.ops)
 

@@ -16,8 +16,9 @@ import shutil
 import tempfile
 import warnings
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn

@@ -7,8 +7,8 @@ real memory, not a sum over views.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import networkx as nx
 
