@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -280,3 +281,21 @@ def test_fuzz_never_crashes(parts: list[str]) -> None:
         return
     assert r.verdict in {"fragmentation", "capacity", "other-process", "unknown"}
     json.dumps(r.to_dict())
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "CUDA out of memory. Tried to allocate " + "9" * 100_000,
+        "CUDA out of memory. Tried to allocate " + "9" * 100_000 + " GiB",
+        "CUDA out of memory. GPU " + "1" * 100_000 + " has a total capacity of 1." + "5" * 100_000 + " GiB",
+        "CUDA out of memory. " + "1" * 100_000 + "x",
+    ],
+)
+def test_long_digit_runs_parse_in_linear_time(text: str) -> None:
+    start = time.perf_counter()
+    try:
+        explain_oom_message(text)
+    except ValueError as exc:  # a huge size is refused in one line, not as OverflowError or digit-limit text
+        assert "\n" not in str(exc) and "Exceeds the limit" not in str(exc)
+    assert time.perf_counter() - start < 1.0  # was 16 s for 10,000 digits (quadratic)
