@@ -14,6 +14,7 @@ from benchmarks.common import Options, to_jsonable
 
 TABLES = {"accuracy": "accuracy", "quality": "quality", "presets": "preset_quality", "solver": "solver_scaling",
           "large": "large", "speed": "simulate_speed", "measured": "measured_time", "zoo": "zoo", "fsdp": "fsdp"}
+TABLES["adaptive"] = "adaptive"  # growing sequence: adaptive plan vs a fixed one (benchmarks/adaptive.py)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,14 +3,20 @@
 `python -m benchmarks --measured-time [--quick]`. For GPT-, Llama- and ResNet-shaped models (steps
 of about 1 s on a 2-core CPU; `--quick`: toy sizes), each strategy gets its own copy of the same
 initial weights with its plan applied: none, full, every-2, op-sac, megatron-selective, and
-op-sac-alt, memplan's optimal plan at 30/50/70% of the way from the model states to the no-plan peak.
+op-sac-alt, memplan's optimal plan at 30/50/70% of the way from the model states to the no-plan peak; compiled:
+the whole model under torch.compile at activation_memory_budget 0.3/0.5/0.7 (`compile-budget B`),
+and memplan's compiled plan (per-block budgets, planner.solver.compiled) at the peak each of those
+measured (`memplan compiled @B`). Compiled steps use inductor (`--quick`: aot_eager_decomp_partition,
+the same min-cut partitioner without code generation).
 
 - Time: strategies run round-robin, one step each per round, so drifts of the machine hit all of
   them alike; each step is timed only when the machine is quiet (benchmarks/quiet.py) and the
   other processes' CPU time is recorded per step. Overhead = median step / median step of none - 1.
   Noise = half the interquartile range of a strategy's steps over their median.
-- Peak: a separate warm-up and measured step under memplan's LiveBytesTracker (as `memplan verify`).
-- Gradients: the first step's gradients of every strategy against none's (same weights and data).
+- Peak: eager, a separate warm-up and measured step under memplan's LiveBytesTracker (as `memplan
+  verify`); compiled, the profiler's memory timeline (planner.runtime.compiled.profiled_peak_bytes).
+- Gradients: the first step's gradients of every strategy against none's (same weights and data;
+  rtol 1e-4 eager, 1e-3 compiled).
 - Predictions come from the plan (simulated step on a device profile calibrated on this machine).
 """
 
@@ -19,6 +25,7 @@ from __future__ import annotations
 import copy
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +39,11 @@ from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget
 from planner.plans.format import Plan
 from planner.runtime.apply import apply_plan
+from planner.runtime.compiled import compile_blocks, profiled_peak_bytes
+from planner.runtime.tracker import LiveBytesTracker
 from planner.runtime.verify import make_optimizer, measure_step
 from planner.simulation.step import simulate
+from planner.solver.compiled import BUDGETS, plan_compiled
 from planner.solver.planning import solve
 from planner.tracing.models import GPT, ConvNet, ConvNetConfig, GPTConfig, Llama, LlamaConfig
 from planner.tracing.recorder import loss_of, run_step_inputs, trace
@@ -112,27 +122,51 @@ def _plans(graph, config: TrainConfig) -> dict[str, Plan | str]:
 
 
 class _Runner:
-    """One strategy's model copy (plan applied), optimizer and timed steps."""
+    """One strategy's model copy (its plan installed), optimizer and timed steps."""
 
-    def __init__(self, base: torch.nn.Module, plan: Plan, inputs, config: TrainConfig) -> None:
+    def __init__(self, base: torch.nn.Module, inputs, config: TrainConfig, install: Callable) -> None:
         self.model = copy.deepcopy(base)
-        self.handle = apply_plan(self.model, plan) if plan.decisions else None
+        self.handle = install(self.model)
         self.optimizer = make_optimizer(self.model.parameters(), config.optimizer)
         self.inputs = inputs
         self.steps = []
 
     def grads(self) -> list[torch.Tensor]:
         loss_of(run_step_inputs(self.model, self.inputs)).backward()
-        return [p.grad.detach().clone() for p in self.model.parameters() if p.grad is not None]
+        out = [p.grad.detach().clone() for p in self.model.parameters() if p.grad is not None]
+        self.optimizer.zero_grad(set_to_none=True)
+        return out
 
     def step(self) -> None:
         loss_of(run_step_inputs(self.model, self.inputs)).backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def profiled_peak(self) -> int:
+        """Peak of a compiled step: what exists before it (as measure_step counts it) plus the
+        profiler's peak during it (LiveBytesTracker does not see inductor's buffers)."""
+        tracker = LiveBytesTracker()
+        tracker.track_all(
+            [
+                list(self.model.parameters()),
+                list(self.model.buffers()),
+                self.inputs,
+                self.optimizer.state_dict()["state"],
+            ]
+        )
+        return tracker.live_bytes + profiled_peak_bytes(self.step)
+
     def close(self) -> None:
         if self.handle is not None:
             self.handle.remove()
+
+
+def _eager(plan: Plan) -> Callable:
+    return lambda model: apply_plan(model, plan) if plan.decisions else None
+
+
+def _compiled(budgets: dict[str, float], backend: str) -> Callable:
+    return lambda model: compile_blocks(model, budgets, backend)
 
 
 def _peak(base: torch.nn.Module, plan: Plan, inputs, config: TrainConfig) -> int:
@@ -145,23 +179,67 @@ def _peak(base: torch.nn.Module, plan: Plan, inputs, config: TrainConfig) -> int
             handle.remove()
 
 
+def _compiled_entries(spec: str, base, inputs, config: TrainConfig, quick: bool) -> dict[str, dict]:
+    """compile-budget B (one global budget, the whole model compiled) and memplan's compiled plan at
+    the peak compile-budget B measured: strategy -> {runner, predicted fields} or {failure}."""
+    out: dict[str, dict] = {}
+    backend = "aot_eager_decomp_partition" if quick else "inductor"
+    for b in FRACTIONS[1:2] if quick else FRACTIONS:
+        runner = _Runner(base, inputs, config, _compiled({"": b}, backend))
+        grads = runner.grads()  # compiles; before any optimizer step changes the weights
+        peak = runner.profiled_peak()
+        out[f"compile-budget {b}"] = {
+            "runner": runner,
+            "grads": grads,
+            "measured_peak_bytes": peak,
+            "budget_bytes": None,
+        }
+        try:
+            plan = plan_compiled(spec, config, peak, budgets=(1.0, 0.5, 0.0) if quick else BUDGETS)
+        except InfeasibleBudget as exc:
+            out[f"memplan compiled @{b}"] = {"failure": f"infeasible: {exc}"}
+            continue
+        runner = _Runner(base, inputs, config, _compiled(plan.budgets, backend))
+        out[f"memplan compiled @{b}"] = {
+            "runner": runner,
+            "grads": runner.grads(),  # compiles
+            "measured_peak_bytes": runner.profiled_peak(),
+            "budget_bytes": peak,
+            "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "predicted_overhead": plan.overhead,
+            "block_budgets": plan.budgets,
+        }
+    return out
+
+
 def _model_rows(name: str, builder: str, batch: int, seq: int, profile: str, opts: Options) -> list[dict]:
     config = TrainConfig(batch_size=batch, seq_len=seq, gpu=profile)
-    graph = trace(f"{PATH}:{builder}", batch_size=batch, seq_len=seq)
-    plans = _plans(graph, config)
+    spec = f"{PATH}:{builder}"
+    plans = _plans(trace(spec, batch_size=batch, seq_len=seq), config)
     torch.manual_seed(0)
     base, inputs = globals()[builder](batch, seq)
     base.train()
-    runnable = {s: p for s, p in plans.items() if isinstance(p, Plan)}
-    runners = {s: _Runner(base, p, inputs, config) for s, p in runnable.items()}
+    entries: dict[str, dict] = {}
+    for s, plan in plans.items():
+        if not isinstance(plan, Plan):
+            entries[s] = {"failure": plan}
+            continue
+        entries[s] = {
+            "runner": _Runner(base, inputs, config, _eager(plan)),
+            "measured_peak_bytes": _peak(base, plan, inputs, config),
+            "predicted_peak_bytes": plan.predicted.peak_bytes,
+            "predicted_overhead": plan.predicted.overhead,
+            "budget_bytes": plan.budget_bytes if s.startswith("memplan") else None,
+        }
+    entries |= _compiled_entries(spec, base, inputs, config, opts.quick)
+    runners = {s: e["runner"] for s, e in entries.items() if "runner" in e}
     reference = runners["none"].grads()
-    grads_equal = {}
-    for s, r in runners.items():
-        got = r.grads() if s != "none" else reference
-        grads_equal[s] = len(got) == len(reference) and all(
-            torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(got, reference)
+    for s, r in runners.items():  # eager recomputes exactly; compiled kernels may round differently
+        got = entries[s].pop("grads", None) or r.grads()
+        tol = 1e-3 if s.startswith(("compile", "memplan compiled")) else 1e-4
+        entries[s]["grads_equal"] = len(got) == len(reference) and all(
+            torch.allclose(a, b, rtol=tol, atol=tol * 1e-2) for a, b in zip(got, reference)
         )
-        r.optimizer.zero_grad(set_to_none=True)
     rounds = 2 if opts.quick else 9
     attempts = 1 if opts.quick else 10
     for k in range(rounds):  # round-robin; the first round warms up and is not kept
@@ -173,25 +251,22 @@ def _model_rows(name: str, builder: str, batch: int, seq: int, profile: str, opt
         r.close()
     none_s = float(np.median([t.wall_s for t in runners["none"].steps]))
     rows = []
-    for s, plan in plans.items():
+    for s, e in entries.items():
         row = {"model": name, "batch_size": batch, "seq_len": seq, "strategy": s}
-        if not isinstance(plan, Plan):
-            rows.append({**row, "failure": plan})
+        runner = e.pop("runner", None)
+        if runner is None:
+            rows.append({**row, **e})
             continue
-        walls = np.array([t.wall_s for t in runners[s].steps])
+        walls = np.array([t.wall_s for t in runner.steps])
         q1, med, q3 = np.percentile(walls, [25, 50, 75])
         rows.append(
             {
                 **row,
-                "budget_bytes": plan.budget_bytes if s.startswith("memplan") else None,
-                "measured_peak_bytes": _peak(base, plan, inputs, config),
-                "predicted_peak_bytes": plan.predicted.peak_bytes,
+                **e,
                 "measured_overhead": float(med / none_s - 1),
-                "predicted_overhead": plan.predicted.overhead,
-                "grads_equal": grads_equal[s],
                 "noise": float((q3 - q1) / 2 / med),
                 "median_step_s": float(med),
-                "steps": [t.to_dict() for t in runners[s].steps],
+                "steps": [t.to_dict() for t in runner.steps],
             }
         )
     return rows

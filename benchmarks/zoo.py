@@ -36,7 +36,10 @@ def _tokens(batch_size: int, seq_len: int) -> torch.Tensor:
 
 
 def _causal_lm(model: nn.Module, batch_size: int, seq_len: int) -> tuple[nn.Module, dict]:
-    return model, {"input_ids": _tokens(batch_size, seq_len), "labels": _tokens(batch_size, seq_len)}
+    """Ids, an attention mask without padding (the eager run then skips the mask: the trace must
+    too) and labels."""
+    ids = _tokens(batch_size, seq_len)
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": _tokens(batch_size, seq_len)}
 
 
 def llama(batch_size: int, seq_len: int):

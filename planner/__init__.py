@@ -8,21 +8,37 @@
     handle = planner.apply_plan(model, "plan.json")          # handle.remove() undoes it
 """
 
-from planner.api import plan_model, simulate_model, verify_model
-from planner.config import TrainConfig
-from planner.errors import InfeasibleBudget, SpecError, TraceError
-from planner.plans.format import Decision, Plan, PlanLadder, load_plan
-from planner.runtime.apply import PlanHandle, apply_plan
-from planner.runtime.auto import auto_checkpoint, plan_for
-from planner.runtime.monitor import MemoryMonitor
-from planner.simulation.step import Timeline, simulate
-from planner.solver.planning import solve
-from planner.tracing.graph import OpGraph
-from planner.tracing.recorder import trace
-from planner.tracing.specs import list_presets, resolve_spec
+from importlib import import_module
 
-__all__ = [
-    "Decision", "InfeasibleBudget", "MemoryMonitor", "OpGraph", "Plan", "PlanHandle", "PlanLadder", "SpecError",
-    "Timeline", "TraceError", "TrainConfig", "apply_plan", "auto_checkpoint", "list_presets", "load_plan",
-    "plan_for", "plan_model", "resolve_spec", "simulate", "simulate_model", "solve", "trace", "verify_model",
-]
+# Public names and the modules that define them. They are imported on first use (PEP 562), so
+# `import planner.cli.main` stays light and the CLI can end a Ctrl-C during the heavy imports
+# (torch, OR-Tools: seconds) with one line; `from planner import X` works as before.
+_EXPORTS = {
+    "plan_model": "planner.api", "simulate_model": "planner.api", "verify_model": "planner.api",
+    "TrainConfig": "planner.config",
+    "InfeasibleBudget": "planner.errors", "SpecError": "planner.errors", "TraceError": "planner.errors",
+    "Decision": "planner.plans.format", "Plan": "planner.plans.format", "PlanLadder": "planner.plans.format",
+    "load_plan": "planner.plans.format",
+    "PlanHandle": "planner.runtime.apply", "apply_plan": "planner.runtime.apply",
+    "auto_checkpoint": "planner.runtime.auto", "plan_for": "planner.runtime.auto",
+    "MemoryMonitor": "planner.runtime.monitor",
+    "Timeline": "planner.simulation.step", "simulate": "planner.simulation.step",
+    "solve": "planner.solver.planning",
+    "OpGraph": "planner.tracing.graph",
+    "trace": "planner.tracing.recorder",
+    "list_presets": "planner.tracing.specs", "resolve_spec": "planner.tracing.specs",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'planner' has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -124,7 +124,9 @@ def test_zero_sharding_never_adds_model_states():
         assert tl.peak_bytes <= base.peak_bytes
     z3 = _sim("llama-7b-tiny", TrainConfig(batch_size=2, seq_len=32, dp=8, zero_stage=3))
     z1 = _sim("llama-7b-tiny", TrainConfig(batch_size=2, seq_len=32, dp=8, zero_stage=1))
-    assert z3.peak_bytes < z1.peak_bytes
+    # resident states only: on a 2-block model FSDP2's own buffers (the unsharded root, two blocks'
+    # all-gather outputs, the reduce-scatter input) outweigh what sharding saves, so its peak is not lower
+    assert sum(z3.model_states.values()) < sum(z1.model_states.values())
 
 
 def test_zero2_peak_not_above_zero1():

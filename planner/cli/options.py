@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from costmodels.hardware import DEVICES
 from costmodels.memory import OPTIMIZERS, PRECISIONS
 from planner.config import MP_DTYPES, TrainConfig
+from planner.safe_io import write_text
 
 __all__ = ["positive_int", "reshard_after_forward", "seq_lens", "add_model_options", "config_from_args", "write_json"]
 
@@ -31,7 +31,10 @@ def reshard_after_forward(text: str) -> bool | int:
 
 
 def seq_lens(text: str) -> list[int]:
-    return [positive_int(part) for part in text.split(",") if part.strip()]
+    values = [positive_int(part) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got '{text}'")
+    return values
 
 
 def add_model_options(p: argparse.ArgumentParser, sweep: bool = True, default_gpu: str = "cpu") -> None:
@@ -77,5 +80,5 @@ def config_from_args(args, seq_len: int | None = None) -> TrainConfig:
 
 def write_json(path: str | None, payload: dict) -> None:
     if path:
-        Path(path).write_text(json.dumps(payload, indent=2, sort_keys=True))
+        write_text(path, json.dumps(payload, indent=2, sort_keys=True))  # atomic; devices/FIFOs in place
         print(f"wrote {path}")

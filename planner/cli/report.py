@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import re
 from typing import Sequence
 
+from planner.safe_io import write_bytes
 from planner.tracing.graph import CATEGORIES
 from planner.tracing.moe import describe_routing
 from planner.units import format_bytes, format_count
@@ -51,6 +53,14 @@ def timeline_table(result: dict, capacity_bytes: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def _save_png(fig, path: str) -> None:
+    """Write `fig` as PNG to exactly `path` (matplotlib would add '.png' to a name without it):
+    atomic for a file, in place for a device or FIFO, refused for a directory."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    write_bytes(path, buf.getvalue())
+
+
 def plot_timeline(result: dict, path: str, capacity_bytes: int | None = None) -> None:
     """Stacked area of memory by category over the step, written as PNG."""
     import matplotlib
@@ -78,7 +88,7 @@ def plot_timeline(result: dict, path: str, capacity_bytes: int | None = None) ->
     ax.set_ylabel("GiB")
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save_png(fig, path)
     plt.close(fig)
 
 
@@ -101,5 +111,5 @@ def plot_sweep(seq_lens: Sequence[int], peaks: Sequence[int], path: str, capacit
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save_png(fig, path)
     plt.close(fig)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from typing import Any, Self
+from typing import Any
 
 import torch
 from torch import nn
@@ -377,7 +377,7 @@ class AutoHandle:
     def removed(self) -> bool:
         return self._applied.removed
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> AutoHandle:
         return self
 
     def __exit__(self, *exc: object) -> None:

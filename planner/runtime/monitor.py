@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ from planner.runtime.oom_report import OomContext, write_oom_report
 from planner.runtime.tracker import LiveBytesTracker
 from planner.units import format_bytes
 
-__all__ = ["MemoryMonitor", "StepRecord", "plan_summary"]
+__all__ = ["MemoryMonitor", "StepRecord", "plan_summary", "seq_len_of"]
 
 RELAX_AFTER_STEPS = 3
 EXPANDABLE_ADVICE = (
@@ -75,7 +75,8 @@ class StepRecord:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["switches"] = [dict(s) for s in self.switches]
-        return {k: v for k, v in out.items() if v is not None}
+        optional = ("live_bytes", "reserved_bytes", "inactive_split_bytes", "alloc_retries", "ooms", "advice")
+        return {k: v for k, v in out.items() if v is not None or k not in optional}
 
 
 def plan_summary(handle: AutoHandle) -> dict[str, Any]:
@@ -165,7 +166,7 @@ class MemoryMonitor:
     def on_cuda(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_available()
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> MemoryMonitor:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.log_path.open("w")
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
@@ -186,6 +187,15 @@ class MemoryMonitor:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+    def attach(self, handle: AutoHandle, *, adapt: bool = False) -> None:
+        """Follow a handle made after the monitor started (a callback plans at the first batch)."""
+        self.handle = handle
+        self.adapt = adapt
+        if self.model is None:
+            self.model = handle.model
+        if adapt and self._file is not None:
+            self._retarget(self._threshold(), f"keep {self.reserve:.0%} of the budget free")
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.model is not None and optimizer not in self._optimizers:
@@ -218,7 +228,7 @@ class MemoryMonitor:
             raise MemplanError("use the monitor as a context manager: `with monitor: ...`")
         if self._in_step:
             raise MemplanError("begin_step called twice without end_step")
-        self._batch_seq_len = _seq_len_of(batch)
+        self._batch_seq_len = seq_len_of(batch)
         if self.on_cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -390,7 +400,8 @@ class MemoryMonitor:
         torch.cuda.memory._dump_snapshot(str(path))
 
 
-def _seq_len_of(batch: Any) -> int | None:
+def seq_len_of(batch: Any) -> int | None:
+    """Dim 1 of the batch's first tensor with 2+ dims; None without a batch or such a tensor."""
     if batch is None:
         return None
     args, kwargs = (batch, {}) if not isinstance(batch, dict) else ((), batch)

@@ -1,0 +1,74 @@
+"""planner.analysis.configurations: the cheapest configuration that fits, by GPU-hours per million tokens."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+from models_for_tests import PATH
+
+from costmodels.hardware import get_device
+from planner.analysis.configurations import cheapest_configuration, host_offload_s
+from planner.api import trace_for
+from planner.config import TrainConfig
+from planner.simulation.step import simulate
+
+CONFIG = TrainConfig(batch_size=2, seq_len=256, gpu="a100-40gb")
+SPEC = f"{PATH}:llama_small"
+
+
+@cache
+def graph(batch_size: int):
+    return trace_for(SPEC, CONFIG.with_(batch_size=batch_size, zero_stage=3))
+
+
+# Half of one GPU's no-plan peak: model states must be sharded or offloaded, or activations recomputed.
+BUDGET = simulate(graph(2), CONFIG).peak_bytes // 2
+
+
+@pytest.fixture(scope="module")
+def report():
+    return cheapest_configuration(graph, CONFIG, BUDGET, max_gpus=64, time_limit_s=2.0, micro_batches=1)
+
+
+def test_recommendation_is_the_fewest_gpu_hours_among_what_fits(report):
+    fitting = [c for c in report.configurations if c.fits]
+    assert fitting and report.recommended in fitting
+    assert report.recommended.gpu_hours_per_million_tokens == min(c.gpu_hours_per_million_tokens for c in fitting)
+    assert all(c.peak_bytes <= BUDGET for c in fitting)
+    assert all(c.peak_bytes > BUDGET for c in report.configurations if not c.fits)
+
+
+def test_every_dimension_is_searched(report):
+    rows = report.configurations
+    assert {c.optimizer for c in rows} == {"adamw", "adamw-8bit"}
+    assert {c.cpu_offload for c in rows} == {False, True}
+    assert {c.plan for c in rows} == {False, True}
+    assert {(c.micro_batch, c.accumulation) for c in rows} == {(2, 1), (1, 2)}
+
+
+def test_rates_follow_from_step_time(report):
+    for c in report.configurations:
+        assert c.tokens_per_s_per_gpu == pytest.approx(CONFIG.batch_size * CONFIG.seq_len / c.step_s)
+        assert c.gpu_hours_per_million_tokens == pytest.approx(1e6 / (c.tokens_per_s_per_gpu * 3600))
+
+
+def test_a_row_is_the_simulated_step():
+    """Without a plan or offload, a row's peak and step time are the simulator's."""
+    config = CONFIG.with_(zero_stage=3, dp=4)
+    timeline = simulate(graph(2), config)
+    report = cheapest_configuration(graph, CONFIG, BUDGET, max_gpus=4, time_limit_s=2.0, micro_batches=0)
+    row = next(c for c in report.configurations if c.gpus == 4 and not c.plan and not c.cpu_offload
+               and c.optimizer == "adamw")
+    assert row.peak_bytes == timeline.peak_bytes
+    assert row.step_s == pytest.approx(timeline.costs.step_s)
+
+
+def test_host_offload_time_counts_copies_and_the_host_step():
+    config = CONFIG.with_(zero_stage=3, dp=8, cpu_offload=True)
+    timeline = simulate(graph(2), config)
+    states = timeline.model_states
+    device = get_device(config.gpu)
+    expected = ((2 * states["parameter"] + states["gradient"]) / device.host_link_bytes_per_s
+                + 2 * sum(states.values()) / 50e9)
+    assert host_offload_s(timeline, config) == pytest.approx(expected)
