@@ -19,9 +19,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from costmodels.hardware import get_device
+from costmodels.memory import ModelStates
 from costmodels.runtime import transfer_time_s
 from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget, SolverTimeout
+from planner.simulation.costs import model_states_for
 from planner.simulation.step import Timeline, simulate
 from planner.solver.baselines import strategy_choices
 from planner.solver.planning import solve
@@ -30,7 +32,7 @@ from planner.tracing.graph import OpGraph
 __all__ = ["HOST_MEMORY_BYTES_PER_S", "Configuration", "ConfigurationReport", "cheapest_configuration"]
 
 HOST_MEMORY_BYTES_PER_S = 50e9  # host DRAM bandwidth per GPU (about 400 GB/s shared by 8 GPUs)
-GROWTH_STEPS = 2  # GPU counts tried above the smallest that fits: x2 and x4
+GROWTH_STEPS = 1  # powers of two tried above the smallest GPU count that fits
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class Configuration:
     accumulation: int
     fits: bool
     peak_bytes: int
+    host_bytes: int  # model states this GPU's rank keeps in host memory (host offload)
     step_s: float
     tokens_per_s_per_gpu: float
     gpu_hours_per_million_tokens: float
@@ -79,14 +82,18 @@ class ConfigurationReport:
                 "budget_bytes": self.budget_bytes, "config": dict(self.config)}
 
 
-def host_offload_s(timeline: Timeline, config: TrainConfig) -> float:
+def host_offload_s(graph: OpGraph, config: TrainConfig) -> float:
     """Seconds host offload adds to a step: parameter shards up for both all-gathers, gradient shards
     down, and the optimizer step over the host's copies (see the module docstring)."""
-    device = get_device(config.gpu)
-    states = timeline.model_states
-    copies = 2 * states["parameter"] + states["gradient"]
-    host_step = 2 * (states["parameter"] + states["gradient"] + states["optimizer"]) / HOST_MEMORY_BYTES_PER_S
-    return transfer_time_s(copies, device, "cpu") + host_step
+    states = host_states(graph, config)
+    copies = 2 * states.parameter + states.gradient
+    host_step = 2 * (states.parameter + states.gradient + states.optimizer) / HOST_MEMORY_BYTES_PER_S
+    return transfer_time_s(copies, get_device(config.gpu), "cpu") + host_step
+
+
+def host_states(graph: OpGraph, config: TrainConfig) -> ModelStates:
+    """The sharded model states one rank keeps in host memory under host offload."""
+    return model_states_for(graph, config.with_(cpu_offload=False))
 
 
 def _sharded(config: TrainConfig, gpus: int, optimizer: str, cpu_offload: bool) -> TrainConfig:
@@ -112,13 +119,15 @@ class _Evaluator:
             overhead = 0.0 if timeline is None else timeline.costs.overhead
         fits = timeline is not None and timeline.peak_bytes <= self.budget
         timeline = timeline or bare
-        micro_s = timeline.costs.step_s + (host_offload_s(timeline, config) if cpu_offload else 0.0)
+        micro_s = timeline.costs.step_s + (host_offload_s(self.graph, config) if cpu_offload else 0.0)
+        host = host_states(self.graph, config) if cpu_offload else None
         step_s = micro_s * accumulation
         tokens_per_gpu = batch_per_gpu * config.seq_len
         rate = tokens_per_gpu / step_s if step_s > 0 else 0.0
         return Configuration(
             gpus=gpus, optimizer=optimizer, cpu_offload=cpu_offload, plan=plan, micro_batch=config.batch_size,
-            accumulation=accumulation, fits=fits, peak_bytes=timeline.peak_bytes, step_s=step_s,
+            accumulation=accumulation, fits=fits, peak_bytes=timeline.peak_bytes,
+            host_bytes=0 if host is None else host.parameter + host.gradient + host.optimizer, step_s=step_s,
             tokens_per_s_per_gpu=rate, gpu_hours_per_million_tokens=1e6 / (rate * 3600) if rate else float("inf"),
             recompute_overhead=overhead)
 
@@ -143,14 +152,22 @@ class _Evaluator:
 
 
 def _counts_to_try(evaluator: _Evaluator, optimizer: str, cpu_offload: bool, plan: bool, max_gpus: int) -> list[int]:
-    """From the smallest power-of-two GPU count that fits, `GROWTH_STEPS` doublings (only `max_gpus`,
-    to show how far off it is, when none fits)."""
-    n = 1
-    while n <= max_gpus and not evaluator.fits(n, optimizer, cpu_offload, plan):
-        n *= 2
-    if n > max_gpus:
+    """The smallest GPU count that fits (doubling, then bisection), then the powers of two above it, up
+    to `GROWTH_STEPS` of them; only `max_gpus`, to show how far off it is, when none fits."""
+    def fits(n: int) -> bool:
+        return evaluator.fits(n, optimizer, cpu_offload, plan)
+
+    low, high = 0, 1  # low does not fit (0: nothing below), high is the next count to try
+    while high < max_gpus and not fits(high):
+        low, high = high, high * 2
+    high = min(high, max_gpus)
+    if not fits(high):
         return [max_gpus]
-    return [n << k for k in range(GROWTH_STEPS + 1) if n << k <= max_gpus]
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    above = 1 << high.bit_length()
+    return [high] + [above << k for k in range(GROWTH_STEPS) if above << k <= max_gpus]
 
 
 def cheapest_configuration(trace_micro_batch: Callable[[int], OpGraph], config: TrainConfig, budget_bytes: int, *,
@@ -160,8 +177,8 @@ def cheapest_configuration(trace_micro_batch: Callable[[int], OpGraph], config: 
     host offload x plan x micro-batch (the config's batch halved up to `micro_batches` times, with
     gradient accumulation keeping the batch), and rank what fits by GPU-hours per million tokens.
 
-    For each combination, GPU counts start at the smallest that fits and grow `GROWTH_STEPS`
-    doublings, since more GPUs can need less recompute but pay more communication."""
+    For each combination, GPU counts start at the smallest that fits and grow to the next powers of
+    two, since more GPUs can need less recompute but pay more communication."""
     optimizers = [config.optimizer] + (["adamw-8bit"] if config.optimizer == "adamw" else [])
     micro_sizes = [config.batch_size >> k for k in range(micro_batches + 1)
                    if config.batch_size >> k >= 1 and config.batch_size % (config.batch_size >> k) == 0]
