@@ -13,7 +13,8 @@ from pathlib import Path
 from benchmarks.common import Options, to_jsonable
 
 TABLES = {"accuracy": "accuracy", "quality": "quality", "presets": "preset_quality", "solver": "solver_scaling",
-          "large": "large", "speed": "simulate_speed", "measured": "measured_time", "zoo": "zoo", "fsdp": "fsdp"}
+          "large": "large", "speed": "simulate_speed", "measured": "measured_time", "zoo": "zoo", "fsdp": "fsdp",
+          "configurations": "configurations"}
 TABLES["adaptive"] = "adaptive"  # growing sequence: adaptive plan vs a fixed one (benchmarks/adaptive.py)
 
 

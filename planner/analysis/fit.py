@@ -7,10 +7,12 @@ solver runs only where a full-recompute baseline cannot already prove that a pla
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from costmodels.hardware import get_device
+from planner.analysis.configurations import ConfigurationReport, cheapest_configuration
 from planner.api import trace_for
 from planner.config import DEFAULT_RESERVE, DEFAULT_TIME_LIMIT_S, TrainConfig
 from planner.errors import InfeasibleBudget, SolverTimeout
@@ -36,13 +38,15 @@ class FitResult:
     budget_bytes: int = 0
     capacity_bytes: int = 0
     max_gpus: int = 0
+    configurations: ConfigurationReport | None = None  # the cheapest-configuration search, when asked
 
     def to_dict(self) -> dict[str, Any]:
         return {"min_gpus_without_plan": self.min_gpus_without_plan,
                 "min_gpus_with_plan": self.min_gpus_with_plan,
                 "without_plan": self.without_plan, "with_plan": self.with_plan, "config": dict(self.config),
                 "budget_bytes": self.budget_bytes, "capacity_bytes": self.capacity_bytes,
-                "max_gpus": self.max_gpus}
+                "max_gpus": self.max_gpus,
+                "configurations": None if self.configurations is None else self.configurations.to_dict()}
 
 
 class _Checker:
@@ -125,8 +129,10 @@ def _smallest(ok: Callable[[int], bool], limit: int) -> int | None:
 
 
 def fit(spec: str, config: TrainConfig, max_gpus: int = 4096, *, reserve: float = DEFAULT_RESERVE,
-        time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> FitResult:
-    """Smallest ZeRO-3 data-parallel degree on which a step fits `config.gpu`, without and with a plan."""
+        time_limit_s: float = DEFAULT_TIME_LIMIT_S, search_configurations: bool = False) -> FitResult:
+    """Smallest ZeRO-3 data-parallel degree on which a step fits `config.gpu`, without and with a plan;
+    with `search_configurations`, also the cheapest configuration by GPU-hours (see
+    :mod:`planner.analysis.configurations`)."""
     if not isinstance(max_gpus, int) or max_gpus < 1:
         raise ValueError(f"max gpus must be a positive integer, got {max_gpus!r}")
     if not 0 <= reserve < 1:
@@ -142,12 +148,19 @@ def fit(spec: str, config: TrainConfig, max_gpus: int = 4096, *, reserve: float 
     without = _smallest(lambda n: check.fits(at(n)), max_gpus)
     limit = without if without is not None else max_gpus
     with_plan = _smallest(lambda n: check.plan_fits(at(n)), limit)
+    configurations = None
+    if search_configurations:
+        def trace_micro_batch(batch_size: int) -> OpGraph:
+            return check.graph if batch_size == base.batch_size else trace_for(spec, base.with_(batch_size=batch_size))
+
+        configurations = cheapest_configuration(trace_micro_batch, config, budget, max_gpus=max_gpus,
+                                                time_limit_s=time_limit_s)
     return FitResult(
         min_gpus_without_plan=without, min_gpus_with_plan=with_plan,
         without_plan=check.bare_dict(at(without)) if without is not None else None,
         with_plan=check.plan_dict(at(with_plan)) if with_plan is not None else None,
         config={**config.to_dict(), "model": spec, "zero_stage": 3},
-        budget_bytes=budget, capacity_bytes=capacity, max_gpus=max_gpus,
+        budget_bytes=budget, capacity_bytes=capacity, max_gpus=max_gpus, configurations=configurations,
     )
 
 

@@ -11,6 +11,8 @@ from planner.units import format_bytes
 
 __all__ = ["register", "run"]
 
+TABLE_ROWS = 12  # configurations shown; --json holds them all
+
 EXAMPLE = "memplan fit --model llama-70b --gpu h100-80gb --seq-len 4096 --precision bf16-mixed"
 
 
@@ -60,7 +62,8 @@ def run(args) -> None:
                 print(f"{name.replace('_', ' ')} limited by the model: {r[f'largest_{name}']['limited_by']}")
         write_json(args.json_path, r)
         return
-    r = fit(args.model, config, args.max_gpus, reserve=args.reserve, time_limit_s=args.time_limit)
+    r = fit(args.model, config, args.max_gpus, reserve=args.reserve, time_limit_s=args.time_limit,
+            search_configurations=True)
     print(f"{args.model} batch {config.batch_size} seq {config.seq_len} {config.precision} on {config.gpu} "
           f"({_fb(capacity)}, budget {_fb(r.budget_bytes)}), ZeRO-3 over N GPUs:")
     print(report.table(["", "GPUs", "peak / GPU", "model states / GPU", "activations at peak", "time cost"],
@@ -68,6 +71,8 @@ def run(args) -> None:
                         _gpu_row("with the best plan", r.min_gpus_with_plan, r.with_plan)]))
     if r.min_gpus_without_plan is None:
         print(f"does not fit on up to {args.max_gpus} GPUs without a plan; raise --max-gpus or shorten the sequence")
+    if r.configurations is not None:
+        print(report.configurations_table(r.configurations, TABLE_ROWS))
     write_json(args.json_path, r.to_dict())
 
 

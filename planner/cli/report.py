@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import io
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
+from planner.analysis.configurations import ConfigurationReport
 from planner.safe_io import write_bytes
 from planner.tracing.graph import CATEGORIES
 from planner.tracing.moe import describe_routing
 from planner.units import format_bytes, format_count
 
-__all__ = ["table", "timeline_table", "plot_timeline", "plot_sweep"]
+__all__ = ["configurations_table", "plot_sweep", "plot_timeline", "table", "timeline_table"]
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A plain aligned text table (numbers right-aligned)."""
@@ -113,3 +114,21 @@ def plot_sweep(seq_lens: Sequence[int], peaks: Sequence[int], path: str, capacit
     fig.tight_layout()
     _save_png(fig, path)
     plt.close(fig)
+
+
+def configurations_table(report: ConfigurationReport, max_rows: int) -> str:
+    """The cheapest configurations that fit (fewest GPU-hours first) and the recommendation."""
+    fitting = sorted((c for c in report.configurations if c.fits),
+                     key=lambda c: (c.gpu_hours_per_million_tokens, c.gpus))
+    rows = [[c.gpus, c.optimizer, "yes" if c.cpu_offload else "no", "yes" if c.plan else "no",
+             f"{c.micro_batch} x {c.accumulation}", format_bytes(c.peak_bytes),
+             format_bytes(c.host_bytes) if c.cpu_offload else "-", f"{c.step_s:.3g} s",
+             f"{c.tokens_per_s_per_gpu:,.0f}", f"{c.gpu_hours_per_million_tokens:.3g}"] for c in fitting[:max_rows]]
+    lines = [f"configurations that fit ({len(fitting)} of {len(report.configurations)} tried; fewest GPU-hours first):"]
+    if rows:
+        lines.append(table(["GPUs", "optimizer", "host offload", "plan", "micro-batch x steps", "peak / GPU",
+                            "host / GPU", "step time", "tokens/s/GPU", "GPU-h / M tokens"], rows))
+    best = report.recommended
+    lines.append(f"recommended: {best.label} ({best.gpu_hours_per_million_tokens:.3g} GPU-hours per million tokens)"
+                 if best else "recommended: none fits; raise --max-gpus, shorten the sequence or the batch")
+    return "\n".join(lines)
