@@ -12,9 +12,10 @@ naming the op and the source line.
 
 from __future__ import annotations
 
+import itertools
 import os
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ _READ_OPS = (
     "aten.is_nonzero.default",
     "aten.equal.default",
 )
+_REWRITTEN_OPS = ("aten.index.Tensor", "aten._grouped_mm.default", "aten.topk.default")
 _DYNAMIC_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
 _OWN_DIRS = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__, os.path.dirname(__file__)))
 
@@ -46,6 +48,31 @@ def source_line() -> str:
         if not frame.filename.startswith(_OWN_DIRS) and "contextlib" not in frame.filename:
             return f"{os.path.basename(frame.filename)}:{frame.lineno} ({(frame.line or '').strip()[:80]})"
     return "an unknown line"
+
+
+def _tensors(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
+    """The tensors among an aten op's arguments (at most one list deep)."""
+    for arg in itertools.chain(args, kwargs.values()):
+        if isinstance(arg, torch.Tensor):
+            yield arg
+        elif isinstance(arg, (list, tuple)):
+            yield from (t for t in arg if isinstance(t, torch.Tensor))
+
+
+_SPECIAL: dict[Any, bool] = {}
+
+
+def _special(func) -> bool:
+    """Ops that need more than 'shadow the outputs when every input has a shadow' (cached)."""
+    special = _SPECIAL.get(func)
+    if special is None:
+        special = (
+            str(func) in _READ_OPS + _REWRITTEN_OPS
+            or func._schema.is_mutable
+            or any(tag in func.tags for tag in _DYNAMIC_TAGS)
+        )
+        _SPECIAL[func] = special
+    return special
 
 
 def _small(t: torch.Tensor) -> bool:
@@ -79,8 +106,7 @@ class ShadowMode(TorchDispatchMode):
         return self.shadows.get(t)
 
     def _all_real(self, args, kwargs) -> tuple[bool, Any, Any]:
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if any(self.real(t) is None for t in tensors):
+        if any(self.real(t) is None for t in _tensors(args, kwargs)):
             return False, None, None
         return True, tree_map(self.real, args), tree_map(self.real, kwargs)
 
@@ -90,6 +116,10 @@ class ShadowMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not _special(func) and any(  # the common case: an op on model data, nothing to shadow
+            isinstance(t, FakeTensor) and t not in self.shadows for t in _tensors(args, kwargs)
+        ):
+            return func(*args, **kwargs)
         name = str(func)
         have, rargs, rkwargs = self._all_real(args, kwargs)
         if name in _READ_OPS:
