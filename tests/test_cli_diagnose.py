@@ -67,6 +67,10 @@ def test_fit_prints_gpu_counts_and_json(tmp_path, capsys):
     d = json.loads(p.read_text())
     assert d["min_gpus_without_plan"] is None and d["min_gpus_with_plan"] == 1
     assert "does not fit on up to 8 GPUs without a plan" in out
+    assert "configurations that fit" in out and "recommended: " in out and "GPU-h / M tokens" in out
+    best = d["configurations"]["recommended"]
+    assert best["fits"] and best["peak_bytes"] <= d["budget_bytes"]
+    assert {c["micro_batch"] for c in d["configurations"]["configurations"]} == {32768, 16384, 8192}
 
 
 def test_fit_largest_on_n_gpus(tmp_path, capsys):
