@@ -9,11 +9,12 @@ from __future__ import annotations
 import models_for_tests as M
 import pytest
 import torch
+from cli_helpers import assert_user_error, run
 from fsdp_ranks import WORLD_SIZE, run_on_ranks
 
 from planner.api import trace_for
 from planner.config import TrainConfig
-from planner.distributed.fsdp import fsdp_units
+from planner.distributed.fsdp import fsdp_buffers, fsdp_units, padded_bytes
 from planner.errors import InfeasibleBudget
 from planner.simulation.step import simulate
 from planner.solver.planning import solve
@@ -87,3 +88,84 @@ def test_plan_applied_before_sharding_holds_its_budget(runs, key):
             f"{key} rank {rank}: predicted {r['predicted']}, measured {peak}"
         )
     assert r["grad_error"] == 0.0, f"{key}: gradients differ from one process (rel {r['grad_error']:.2e})"
+
+
+# ----------------------------------------------------------------------------- the model, without ranks
+
+
+@pytest.fixture(scope="module")
+def tiny_graph():
+    return trace_for("llama-7b-tiny", TrainConfig(batch_size=2, seq_len=16, zero_stage=3, dp=4))
+
+
+def test_dim0_padding_to_a_multiple_of_dp():
+    assert padded_bytes((5, 3), 4, 2) == 6 * 3 * 4
+    assert padded_bytes((8,), 2, 4) == 8 * 2
+    assert padded_bytes((), 4, 2) == 8
+
+
+def test_units_are_the_blocks_then_the_root(tiny_graph):
+    units = fsdp_units(tiny_graph, 4)
+    assert [u.path for u in units] == [r.path for r in sorted(tiny_graph.regions, key=lambda r: r.fwd_start)] + [""]
+    traced = sum(t.nbytes for t in tiny_graph.preexisting() if t.category == "parameter")
+    assert sum(u.param_bytes for u in units) >= traced
+
+
+def test_resharding_less_keeps_more(tiny_graph):
+    config = TrainConfig(batch_size=2, seq_len=16, zero_stage=3, dp=4)
+    peaks = [simulate(tiny_graph, config.with_(reshard_after_forward=r)).peak_bytes for r in (True, 2, False)]
+    # an int N keeps a 1/N shard from forward to backward, where it is all-gathered from again
+    assert peaks[0] <= peaks[1] and peaks[0] < peaks[2]
+    assert fsdp_buffers(tiny_graph, config.with_(dp=1), 1.0) == {}
+
+
+def test_cpu_offload_moves_model_states_to_the_host(tiny_graph):
+    config = TrainConfig(batch_size=2, seq_len=16, zero_stage=3, dp=4)
+    offloaded = simulate(tiny_graph, config.with_(cpu_offload=True))
+    assert sum(offloaded.model_states.values()) == 0
+    assert offloaded.peak_bytes < simulate(tiny_graph, config).peak_bytes
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"reshard_after_forward": False}, "--zero 3"),
+        ({"zero_stage": 3, "dp": 4, "reshard_after_forward": 3}, "divisor of dp"),
+        ({"zero_stage": 3, "mp_reduce_dtype": "int8"}, "mp reduce dtype"),
+        ({"zero_stage": 3, "mp_param_dtype": "bfloat16", "precision": "fp16-mixed"}, "contradicts"),
+    ],
+)
+def test_fsdp_options_are_checked(changes, needle):
+    with pytest.raises(ValueError, match=needle):
+        TrainConfig(**changes)
+
+
+def test_fsdp_options_map_and_stay_out_of_default_configs():
+    config = TrainConfig(zero_stage=3, dp=2, mp_param_dtype="bfloat16")
+    assert config.precision == "bf16-mixed"
+    assert "reshard_after_forward" not in TrainConfig(zero_stage=3, dp=2).to_dict()
+    assert TrainConfig(zero_stage=3, dp=2, reshard_after_forward=False).to_dict()["reshard_after_forward"] is False
+
+
+def test_cli_flags(capsys):
+    code, out, _ = run(
+        [
+            "simulate",
+            "--model",
+            "llama-7b-tiny",
+            "--seq-len",
+            "16",
+            "--zero",
+            "3",
+            "--dp",
+            "4",
+            "--reshard-after-forward",
+            "2",
+            "--mp-reduce-dtype",
+            "float32",
+        ],
+        capsys,
+    )
+    assert code == 0
+    code, _, err = run(["simulate", "--model", "llama-7b-tiny", "--seq-len", "16", "--cpu-offload"], capsys)
+    assert_user_error(code, err, ("simulate",), "--zero 3")

@@ -110,7 +110,6 @@ class _State:
     def unshard(self, u: int, copy_in_bytes: int) -> None:
         if u in self.unsharded or u in self.gathered:
             return
-        self.post_forward.discard(u)
         self.gathered[u] = self.units[u].param_bytes
         if copy_in_bytes:
             self.snap(parameter=self.units[u].param_bytes // self.dp)
@@ -122,6 +121,7 @@ class _State:
         if forward and self.held is not None:
             del self.gathered[self.held]
             self.held = None
+        self.post_forward.discard(u)  # the all-gather read the post-forward shard; copy-out frees it
         self.unsharded.add(u)
         self.snap()
         if forward:
