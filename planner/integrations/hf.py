@@ -89,9 +89,3 @@ class MemplanCallback(TrainerCallback):
             self.monitor.__exit__(None, None, None)
         if self.handle is not None:
             self.handle.remove()
-
-
-def _seq_len(inputs: tuple | dict) -> int | None:
-    from planner.runtime.monitor import _seq_len_of
-
-    return _seq_len_of(inputs)
