@@ -5,7 +5,7 @@ from __future__ import annotations
 from costmodels.hardware import get_device
 from planner.analysis.fit import fit, largest_fitting
 from planner.cli import report
-from planner.cli.options import add_model_options, config_from_args, write_json
+from planner.cli.options import add_model_options, config_from_args, positive_int, write_json
 from planner.config import DEFAULT_RESERVE, DEFAULT_TIME_LIMIT_S
 from planner.units import format_bytes
 
@@ -80,7 +80,7 @@ def register(add) -> None:
     p = add("fit", "smallest number of GPUs (ZeRO-3) a step fits on, or the largest batch/sequence on --gpus N",
             run, EXAMPLE)
     add_model_options(p, sweep=False)
-    p.add_argument("--gpus", type=int, help="report the largest batch and sequence that fit on this many GPUs")
-    p.add_argument("--max-gpus", type=int, default=4096, help="largest GPU count to consider")
+    p.add_argument("--gpus", type=positive_int, help="report the largest batch and sequence that fit on this many GPUs")
+    p.add_argument("--max-gpus", type=positive_int, default=4096, help="largest GPU count to consider")
     p.add_argument("--reserve", type=float, default=DEFAULT_RESERVE, help="fraction of each GPU kept free")
     p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="solver time limit in seconds per plan")

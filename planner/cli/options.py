@@ -8,18 +8,22 @@ import json
 from costmodels.hardware import DEVICES
 from costmodels.memory import OPTIMIZERS, PRECISIONS
 from planner.config import MP_DTYPES, TrainConfig
-from planner.safe_io import write_text
+from planner.safe_io import clean, write_text
 
 __all__ = ["positive_int", "reshard_after_forward", "seq_lens", "add_model_options", "config_from_args", "write_json"]
 
 
+MAX_COUNT = 2**31 - 1
+"""Largest count (batch size, sequence length, GPUs) accepted on the command line."""
+
+
 def positive_int(text: str) -> int:
     try:
-        value = int(text)
+        value = int(text) if len(text) <= 20 else None
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        value = None
+    if value is None or not 0 < value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"expected a positive integer up to {MAX_COUNT}, got '{clean(text, 40)}'")
     return value
 
 
