@@ -150,7 +150,8 @@ def check_plan_for_spec(spec: str, config: TrainConfig, plan_path: str) -> str:
         kinds = Counter(d.action if d.op is None else f"{d.action} op" for d in p.decisions)
         lines.append(f"seq {p.config['seq_len']}: {p.strategy} plan matches {spec}; "
                      + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
-                     + f"; predicted peak {p.predicted.peak_bytes} B, overhead {p.predicted.overhead * 100:.1f}%")
+                     + f"; predicted peak {format_bytes(p.predicted.peak_bytes)}, overhead "
+                     f"{p.predicted.overhead * 100:.1f}%")
     lines.append("apply it in your training script with: handle = planner.apply_plan(model, 'PLAN.json')")
     return "\n".join(lines)
 

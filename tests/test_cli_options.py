@@ -10,7 +10,7 @@ from planner.api import simulate_model
 from planner.config import TrainConfig
 from tests.cli_helpers import assert_user_error, run
 
-ATTRIBUTE_LAYERS = "benchmarks.zoo:attribute_layers"
+ATTRIBUTE_LAYERS = "benchmarks.zoo_models:attribute_layers"
 
 
 def test_help_shows_defaults(capsys):
@@ -36,6 +36,8 @@ def test_budget_as_a_percentage_of_the_no_plan_peak(tmp_path, capsys):
             "75%",
             "--out",
             str(out_path),
+            "--json",
+            str(tmp_path / "result.json"),
         ],
         capsys,
     )
@@ -44,6 +46,9 @@ def test_budget_as_a_percentage_of_the_no_plan_peak(tmp_path, capsys):
     peak = simulate_model(ATTRIBUTE_LAYERS, TrainConfig(batch_size=8, seq_len=64)).peak_bytes
     assert plan["budget_bytes"] == int(peak * 0.75)
     assert plan["predicted"]["peak_bytes"] <= plan["budget_bytes"]
+    result = json.loads((tmp_path / "result.json").read_text())  # the strategy table plan prints
+    rows = result["strategies"]["64"]
+    assert {r["strategy"] for r in rows} >= {"none", "full"} and rows[0]["peak_bytes"] == peak
 
 
 def test_blocks_glob_and_bad_trace_options_are_one_line(tmp_path, capsys):

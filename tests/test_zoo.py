@@ -32,8 +32,8 @@ def test_zoo_model_is_predicted_and_its_plan_runs(name, batch_size, seq_len, tol
 
 def test_moe_routing_assumption_is_recorded_and_sizes_the_busiest_expert():
     config = TrainConfig(batch_size=2, seq_len=32)
-    balanced = trace_for("benchmarks.zoo:mixtral_loop", config)
-    skewed = trace_for("benchmarks.zoo:mixtral_loop", config.with_(moe_imbalance=2.0))
+    balanced = trace_for("benchmarks.zoo_models:mixtral_loop", config)
+    skewed = trace_for("benchmarks.zoo_models:mixtral_loop", config.with_(moe_imbalance=2.0))
     routing = balanced.meta["moe"]
     assert routing["routers"] == 2 and routing["experts"] == 4 and routing["top_k"] == 2
     assert routing["busiest_expert_rows"] == routing["mean_rows_per_expert"] == 2 * 32 * 2 / 4
@@ -45,7 +45,7 @@ def test_moe_routing_assumption_is_recorded_and_sizes_the_busiest_expert():
 
 
 def _mixtral_plan(config):
-    return solve(trace_for("benchmarks.zoo:mixtral", config), config, 10**9)
+    return solve(trace_for("benchmarks.zoo_models:mixtral", config), config, 10**9)
 
 
 def test_plan_that_caches_a_mutated_tensor_is_refused_naming_module_and_decision():
@@ -57,10 +57,10 @@ def test_plan_that_caches_a_mutated_tensor_is_refused_naming_module_and_decision
         decisions=(Decision("model.layers.0", "recompute"), Decision("model.layers.0", "keep", "aten.topk.default#0")),
     )
     with pytest.raises(PlanFileError, match=r"module 'model.layers.0' \(recompute keeping aten.topk.default#0\)"):
-        dry_run(resolve_spec("benchmarks.zoo:mixtral"), config, bad)
+        dry_run(resolve_spec("benchmarks.zoo_models:mixtral"), config, bad)
 
 
-def test_memplan_apply_refuses_a_failing_plan_in_one_line(tmp_path, capsys):
+def test_apply_and_verify_refuse_a_failing_plan_in_one_line(tmp_path, capsys):
     config = TrainConfig(batch_size=2, seq_len=16)
     plan = _mixtral_plan(config)
     bad = dataclasses.replace(
@@ -70,18 +70,43 @@ def test_memplan_apply_refuses_a_failing_plan_in_one_line(tmp_path, capsys):
     path = tmp_path / "bad.json"
     bad.save(path)
     code, _, err = run(
-        ["apply", "--model", "benchmarks.zoo:mixtral", "--batch-size", "2", "--seq-len", "16", "--plan", str(path)],
+        [
+            "apply",
+            "--model",
+            "benchmarks.zoo_models:mixtral",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--plan",
+            str(path),
+        ],
         capsys,
     )
     assert_user_error(code, err, "apply", "model.layers.1", "mutated")
+    code, _, err = run(
+        [
+            "verify",
+            "--model",
+            "benchmarks.zoo_models:mixtral",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--plan",
+            str(path),
+        ],
+        capsys,
+    )
+    assert_user_error(code, err, "verify", "model.layers.1", "mutated")
 
 
 def test_apply_plan_turns_the_cache_off_on_every_config_and_restores_it():
     config = TrainConfig(batch_size=2, seq_len=16)
-    graph = trace_for("benchmarks.zoo:t5", config)
+    graph = trace_for("benchmarks.zoo_models:t5", config)
     plan = solve(graph, config, 10**9)
     plan = dataclasses.replace(plan, decisions=(Decision("decoder.block.0", "recompute"),))
-    model, _ = resolve_spec("benchmarks.zoo:t5").build(batch_size=2, seq_len=16)
+    model, _ = resolve_spec("benchmarks.zoo_models:t5").build(batch_size=2, seq_len=16)
     configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "use_cache")}
     before = {k: c.use_cache for k, c in configs.items()}
     assert sum(before.values()) >= 2  # the model's and the decoder stack's own config

@@ -15,7 +15,8 @@ __all__ = ["register", "run", "budget_for"]
 
 EXAMPLE = ("memplan plan --model llama-70b --gpu h100-80gb --seq-len 4096 --precision bf16-mixed "
            "--zero 3 --dp 32 --out plan.json\n"
-           "  memplan plan --model llama-7b-tiny --seq-len 64 --budget 6MiB --offload disk --out plan.json")
+           "  memplan plan --model llama-7b-tiny --batch-size 8 --seq-len 256 --budget 36MiB --offload disk "
+           "--out plan.json")
 
 
 def register(add) -> None:
@@ -62,16 +63,18 @@ def _plan_one(args, config, budget: int | str):
     s = plan.solver
     print(f"solver: {s.status}, added time {s.objective:.4g}s, bound {s.bound:.4g}s, gap {s.gap * 100:.2f}%, "
           f"{s.wall_s:.1f}s; {len(plan.decisions)} decisions")
-    return plan
+    return plan, rows
 
 
 def run(args) -> None:
     budget = budget_for(args)
-    plans = [(s, _plan_one(args, config_from_args(args, s), budget)) for s in args.seq_len]
+    solved = {s: _plan_one(args, config_from_args(args, s), budget) for s in args.seq_len}
+    plans = [(s, plan) for s, (plan, _) in solved.items()]
     if len(plans) == 1:
         plan = plans[0][1]
     else:
         plan = PlanLadder(buckets=tuple(plans))
     plan.save(args.out)
     print(f"wrote {args.out}")
-    write_json(args.json_path, plan.to_dict())
+    strategies = {str(s): [r.to_dict() for r in rows] for s, (_, rows) in solved.items()}
+    write_json(args.json_path, {**plan.to_dict(), "strategies": strategies})  # the table printed above
