@@ -24,6 +24,7 @@ accepted, a path to such a file is too (:func:`get_device`).
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
@@ -95,17 +96,45 @@ def profile_dict(device: DeviceSpec, measured: dict[str, float]) -> dict[str, An
     return {"format": PROFILE_FORMAT, "device": device.to_dict(), "measured": dict(measured)}
 
 
+PROFILE_MAX_BYTES = 2**20
+"""Largest device profile read (a profile is a few hundred bytes; /dev/zero must not hang)."""
+
+
+def _bounded_number(text: str) -> float:
+    value = float(text) if len(text) <= 40 else math.inf
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]!r} is out of range")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    _bounded_number(text)
+    return int(text)
+
+
+def _read_profile_json(path: str) -> Any:
+    with open(path, "rb") as f:
+        raw = f.read(PROFILE_MAX_BYTES + 1)
+    if len(raw) > PROFILE_MAX_BYTES:
+        raise ValueError(f"larger than {PROFILE_MAX_BYTES} bytes")
+    try:
+        return json.loads(raw.decode("utf-8"), parse_int=_bounded_int, parse_float=_bounded_number,
+                          parse_constant=_bounded_number)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+
+
 @lru_cache(maxsize=32)
 def _load_profile(path: str, mtime_ns: int) -> DeviceSpec:
     try:
-        data = json.loads(Path(path).read_text())
+        data = _read_profile_json(path)
         if data.get("format") != PROFILE_FORMAT:
             raise KeyError("format")
         known = {f.name for f in fields(DeviceSpec)}
         spec = DeviceSpec(**{k: v for k, v in data["device"].items() if k in known})
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{path} is not a memplan device profile ({exc}); write one with memplan calibrate "
-                         "--out FILE") from None
+    except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:  # bad JSON, bounds, layout
+        raise ValueError(f"{path} is not a memplan device profile ({str(exc)[:200]}); write one with memplan "
+                         "calibrate --out FILE") from None
     if min(spec.bf16_flops, spec.fp32_flops, spec.hbm_bytes_per_s, spec.host_link_bytes_per_s,
            spec.disk_bytes_per_s, spec.memory_bytes) <= 0:
         raise ValueError(f"device profile {path} has a non-positive rate or capacity; re-run memplan calibrate")
