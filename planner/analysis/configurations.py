@@ -107,11 +107,12 @@ class _Evaluator:
 
     def __init__(self, graph: OpGraph, base: TrainConfig, budget: int, time_limit_s: float) -> None:
         self.graph, self.base, self.budget, self.time_limit_s = graph, base, budget, time_limit_s
+        self._timelines: dict[tuple[TrainConfig, bool], Timeline] = {}
 
     def evaluate(self, gpus: int, optimizer: str, cpu_offload: bool, plan: bool, accumulation: int,
                  batch_per_gpu: int) -> Configuration:
         config = _sharded(self.base, gpus, optimizer, cpu_offload)
-        bare = simulate(self.graph, config)
+        bare = self._simulate(config, full_recompute=False)
         timeline, overhead = bare, 0.0
         plan = plan and bare.peak_bytes > self.budget  # a plan only where the step does not fit as it is
         if plan:
@@ -133,13 +134,20 @@ class _Evaluator:
 
     def fits(self, gpus: int, optimizer: str, cpu_offload: bool, plan: bool) -> bool:
         """Cheap test: without a plan by simulation, with a plan by full recompute."""
-        choices = strategy_choices(self.graph, "full") if plan else ()
         config = _sharded(self.base, gpus, optimizer, cpu_offload)
-        return simulate(self.graph, config, choices=choices).peak_bytes <= self.budget
+        return self._simulate(config, full_recompute=plan).peak_bytes <= self.budget
+
+    def _simulate(self, config: TrainConfig, full_recompute: bool) -> Timeline:
+        """The step without a plan or with every block recomputed, once per configuration."""
+        key = (config, full_recompute)
+        if key not in self._timelines:
+            choices = strategy_choices(self.graph, "full") if full_recompute else ()
+            self._timelines[key] = simulate(self.graph, config, choices=choices)
+        return self._timelines[key]
 
     def _planned(self, config: TrainConfig) -> Timeline | None:
         """The cheapest plan that fits (None when none does)."""
-        full = simulate(self.graph, config, choices=strategy_choices(self.graph, "full"))
+        full = self._simulate(config, full_recompute=True)
         if full.peak_bytes > self.budget:
             return None
         try:
