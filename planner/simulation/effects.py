@@ -22,7 +22,7 @@ import numpy as np
 
 from costmodels.hardware import DeviceSpec
 from costmodels.runtime import transfer_time_s
-from planner.errors import PlanFileError
+from planner.errors import MemplanError, PlanFileError
 from planner.plans.decisions import OpKeys, module_plans
 from planner.plans.format import Decision
 from planner.tracing.graph import OpGraph
@@ -84,7 +84,7 @@ def module_span(graph: OpGraph, path: str) -> ModuleSpan:
     fwd = [i for i in ops if i < graph.backward_start]
     bwd = [i for i in ops if i >= graph.backward_start]
     if not fwd or not bwd:
-        raise ValueError(
+        raise MemplanError(
             f"module '{path}' runs no forward and backward ops in the traced step; "
             "choose a module path that the model's forward uses"
         )

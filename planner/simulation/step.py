@@ -22,6 +22,7 @@ from costmodels.memory import ModelStates
 from planner.config import TrainConfig
 from planner.distributed.comm import step_communication
 from planner.distributed.fsdp import fsdp_buffers
+from planner.errors import TraceError
 from planner.simulation.costs import (
     StepCosts,
     category_scale,
@@ -149,7 +150,7 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
     if plan is not None:
         choices = list(choices) + choices_from_decisions(graph, plan.decisions)
     if choices and not graph.meta.get("natural_lifetimes", True):
-        raise ValueError("this trace was made with lifetimes=False; trace again with lifetimes=True to simulate a plan")
+        raise TraceError("this trace was made with lifetimes=False; trace again with lifetimes=True to simulate a plan")
     config = config or TrainConfig(batch_size=graph.meta.get("batch_size", 1),
                                    seq_len=graph.meta.get("seq_len", 1))
     device = get_device(config.gpu)

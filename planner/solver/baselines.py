@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from planner.errors import MemplanError
 from planner.simulation.effects import ModuleSpan, SpanChoice, module_span
 from planner.solver.policies import (
     attention_core_choice,
@@ -51,7 +52,7 @@ def parse_every(strategy: str) -> int | None:
         except ValueError:
             n = 0
         if n <= 0:
-            raise ValueError(f"strategy '{strategy}' needs a positive N, e.g. every-2")
+            raise MemplanError(f"strategy '{strategy}' needs a positive N, e.g. every-2")
         return n
     return None
 
@@ -60,7 +61,7 @@ def check_strategy(strategy: str) -> None:
     if strategy in STRATEGIES and strategy != "every-N":
         return
     if parse_every(strategy) is None:
-        raise ValueError(
+        raise MemplanError(
             f"unknown strategy '{strategy}'; choose one of: optimal, none, full, every-N "
             "(e.g. every-2), sqrt, op-sac, op-sac-alt, megatron-selective"
         )
@@ -95,4 +96,4 @@ def strategy_choices(graph: OpGraph, strategy: str) -> list[SpanChoice]:
         return [op_sac_alt_choice(graph, s) for s in spans]
     if strategy == "megatron-selective":
         return [c for c in (attention_core_choice(graph, s) for s in spans) if c is not None]
-    raise ValueError(f"strategy '{strategy}' is solved by solve_choices, not a fixed rule")
+    raise MemplanError(f"strategy '{strategy}' is solved by solve_choices, not a fixed rule")

@@ -24,7 +24,7 @@ from ortools.sat.python import cp_model
 
 from costmodels.hardware import get_device
 from planner.config import DEFAULT_TIME_LIMIT_S, TrainConfig
-from planner.errors import InfeasibleBudget, SolverTimeout
+from planner.errors import InfeasibleBudget, MemplanError, SolverTimeout
 from planner.signals import interruptible
 from planner.simulation.costs import op_times, storage_bytes
 from planner.simulation.effects import SpanChoice
@@ -68,7 +68,7 @@ def _match(paths: Sequence[str], patterns: Sequence[str], flag: str) -> set[str]
         hit = {p for p in paths if fnmatch.fnmatchcase(p, pattern)}
         if not hit:
             sample = ", ".join(list(paths)[:6]) + (", ..." if len(paths) > 6 else "")
-            raise ValueError(f"{flag} '{pattern}' matches no checkpointable module; they are: {sample}")
+            raise MemplanError(f"{flag} '{pattern}' matches no checkpointable module; they are: {sample}")
         out |= hit
     return out
 
@@ -352,20 +352,20 @@ def solve_choices(graph: OpGraph, config: TrainConfig, budget_bytes: int, *, off
                   keep: Sequence[str] = (), recompute: Sequence[str] = (), time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> SolveResult:
     """Cheapest span choices whose simulated peak fits `budget_bytes` (CP-SAT, deterministic)."""
     if budget_bytes <= 0:
-        raise ValueError(f"budget must be positive, got {budget_bytes}")
+        raise MemplanError(f"budget must be positive, got {budget_bytes}")
     if not time_limit_s > 0:
-        raise ValueError(f"--time-limit must be a positive number of seconds, got {time_limit_s}")
+        raise MemplanError(f"--time-limit must be a positive number of seconds, got {time_limit_s}")
     if offload not in (None, "none", "cpu", "disk"):
-        raise ValueError(f"unknown offload target '{offload}'; choose one of: none, cpu, disk")
+        raise MemplanError(f"unknown offload target '{offload}'; choose one of: none, cpu, disk")
     offload = None if offload in (None, "none") else offload
     if offload == "cpu" and not get_device(config.gpu).is_cuda:
-        raise ValueError("offloading to cpu on a cpu device frees nothing; use --offload disk")
+        raise MemplanError("offloading to cpu on a cpu device frees nothing; use --offload disk")
     t0 = time.perf_counter()
     paths = [r.path for r in graph.regions]
     keep_set = _match(paths, keep, "--keep")
     force_set = _match(paths, recompute, "--recompute")
     if keep_set & force_set:
-        raise ValueError(f"modules both kept and recomputed: {', '.join(sorted(keep_set & force_set))}")
+        raise MemplanError(f"modules both kept and recomputed: {', '.join(sorted(keep_set & force_set))}")
     times = op_times(graph, get_device(config.gpu))
     p = _problem(graph, config, offload, keep_set, force_set, times)
     n = len(graph.ops)
