@@ -31,7 +31,10 @@ def reshard_after_forward(text: str) -> bool | int:
     lowered = text.strip().lower()
     if lowered in ("true", "false"):
         return lowered == "true"
-    return positive_int(text)
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected true, false or a group size N, got '{text}'") from None
 
 
 def seq_lens(text: str) -> list[int]:
