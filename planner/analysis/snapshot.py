@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.analysis.unpickler import PickleBudget, PlainDataUnpickler, RefusedPickle
+from planner.safe_io import clean, read_bounded
 
 __all__ = [
     "Allocation",
@@ -273,17 +274,17 @@ def load_snapshot_bytes(data: bytes) -> SnapshotReport:
 def read_snapshot(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> SnapshotReport:
     """Read and analyse a snapshot file written by ``torch.cuda.memory._dump_snapshot``."""
     p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"snapshot file {str(p)!r} does not exist; check the path")
-    size = p.stat().st_size
-    if size == 0:
-        raise ValueError(f"not a CUDA memory snapshot: {str(p)!r} is empty; {_HOW_TO_WRITE}")
-    if size > max_bytes:
+    if not p.exists():
+        raise ValueError(f"snapshot file {clean(p)!r} does not exist; check the path")
+    if p.is_file() and p.stat().st_size > max_bytes:  # refuse before reading
         raise ValueError(
-            f"snapshot file {str(p)!r} is {size} bytes, over the {max_bytes}-byte limit; "
+            f"snapshot file {clean(p)!r} is {p.stat().st_size} bytes, over the {max_bytes}-byte limit; "
             "pass a larger max_bytes or record fewer entries (max_entries=...)"
         )
-    return analyze_snapshot(_unpickle(p.read_bytes()))
+    data = read_bounded(p, max_bytes, "snapshot file")  # bounded for devices and pipes too
+    if not data:
+        raise ValueError(f"not a CUDA memory snapshot: {clean(p)!r} is empty; {_HOW_TO_WRITE}")
+    return analyze_snapshot(_unpickle(data))
 
 
 # --------------------------------------------------------------------------- validation
