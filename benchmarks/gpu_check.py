@@ -60,7 +60,7 @@ def check(name: str, model_spec: str, seq: int, precision: str) -> dict:
     torch.cuda.reset_peak_memory_stats()
     step()
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved()
-    del model, opt, inputs
+    model = opt = inputs = None  # drop the step closure's references before emptying the cache
     torch.cuda.empty_cache()
     return {"model": name, "spec": model_spec, "seq_len": seq, "precision": precision, "gpu": config.gpu,
             "device_name": torch.cuda.get_device_name(0), "predicted_bytes": predicted,
