@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from cli_helpers import assert_user_error, run
 
+from planner.cli.plan import EXAMPLE
+
 MEMPLAN = str(Path(sys.executable).with_name("memplan"))
 PLAN = ["plan", "--model", "gpt2-tiny", "--seq-len", "32", "--budget", "1GiB"]
 
@@ -130,3 +132,44 @@ def test_closed_pipe_exits_quietly() -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 0, err
     assert err == ""
+
+
+def test_infeasible_with_offload_disk_does_not_suggest_it(tmp_path: Path, capsys) -> None:
+    code, _, err = run(
+        [
+            "plan",
+            "--model",
+            "gpt2-tiny",
+            "--seq-len",
+            "32",
+            "--budget",
+            "1KiB",
+            "--offload",
+            "disk",
+            "--out",
+            "unused.json",
+        ],
+        capsys,
+    )
+    assert_user_error(code, err, "plan", "is infeasible", "already counted")
+    assert "(--offload disk)" not in err
+
+
+def test_help_example_for_offload_disk_is_feasible(tmp_path: Path, capsys) -> None:
+    example = next(line.strip() for line in EXAMPLE.splitlines() if "--offload disk" in line)
+    argv = example.split()[1:]
+    argv[argv.index("--out") + 1] = str(tmp_path / "plan.json")
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    assert (tmp_path / "plan.json").exists()
+
+
+@pytest.mark.parametrize(
+    "content", [None, "[" * 5000, '{"format": "memplan-device-profile/1", "device": {"fp32_flops": 1e999}}']
+)
+def test_hostile_device_profiles_are_one_line_errors(content: str | None, tmp_path: Path, capsys) -> None:
+    path = "/dev/zero" if content is None else str(tmp_path / "gpu.json")
+    if content is not None:
+        Path(path).write_text(content)
+    code, _, err = run(["simulate", "--model", "gpt2-tiny", "--seq-len", "32", "--gpu", path], capsys)
+    assert_user_error(code, err, "simulate", "not a memplan device profile")
