@@ -62,6 +62,25 @@ def _save_png(fig, path: str) -> None:
     write_bytes(path, buf.getvalue())
 
 
+def _plot_unit(largest_bytes: int) -> tuple[str, int]:
+    """The unit that scales a plot to its curve (a tiny model is not a flat line in GiB)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if largest_bytes >= size:
+            return unit, size
+    return "B", 1
+
+
+def _capacity_line(ax, capacity_bytes: int | None, largest_bytes: int, size: int) -> str:
+    """Draw the capacity line when it is on the curve's scale (at most twice its top); else
+    return a note for the title."""
+    if not capacity_bytes:
+        return ""
+    if capacity_bytes <= 2 * largest_bytes:
+        ax.axhline(capacity_bytes / size, color="red", linestyle="--", label="device capacity")
+        return ""
+    return f" (device capacity {format_bytes(capacity_bytes)}, off the scale)"
+
+
 def plot_timeline(result: dict, path: str, capacity_bytes: int | None = None) -> None:
     """Stacked area of memory by category over the step, written as PNG."""
     import matplotlib
@@ -72,11 +91,10 @@ def plot_timeline(result: dict, path: str, capacity_bytes: int | None = None) ->
     rows = list(result["timeline"])
     rows += [rows[-1]] * max(1, len(rows) // 50)  # the optimizer step is one sample: give it width
     x = list(range(len(rows)))
-    gib = 2**30
+    unit, size = _plot_unit(result["peak_bytes"])
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    ax.stackplot(x, *[[r[c] / gib for r in rows] for c in CATEGORIES], labels=CATEGORIES, alpha=0.85)
-    if capacity_bytes:
-        ax.axhline(capacity_bytes / gib, color="red", linestyle="--", label="device capacity")
+    ax.stackplot(x, *[[r[c] / size for r in rows] for c in CATEGORIES], labels=CATEGORIES, alpha=0.85)
+    note = _capacity_line(ax, capacity_bytes, result["peak_bytes"], size)
     phases = [r["phase"] for r in rows]
     for k, phase in enumerate(("loss", "backward", "optimizer")):
         if phase in phases:
@@ -84,9 +102,9 @@ def plot_timeline(result: dict, path: str, capacity_bytes: int | None = None) ->
             ax.text(phases.index(phase), ax.get_ylim()[1] * (0.97 - 0.05 * k), " " + phase, fontsize=8, va="top")
     cfg = result.get("config", {})
     ax.set_title(f"{cfg.get('model', '')} batch {cfg.get('batch_size')} seq {cfg.get('seq_len')} "
-                 f"{cfg.get('precision')} on {cfg.get('gpu')}: peak {format_bytes(result['peak_bytes'])}")
+                 f"{cfg.get('precision')} on {cfg.get('gpu')}: peak {format_bytes(result['peak_bytes'])}{note}")
     ax.set_xlabel("step progress (samples, in execution order)")
-    ax.set_ylabel("GiB")
+    ax.set_ylabel(unit)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     _save_png(fig, path)
@@ -101,15 +119,14 @@ def plot_sweep(seq_lens: Sequence[int], peaks: Sequence[int], path: str, capacit
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    gib = 2**30
+    unit, size = _plot_unit(max(peaks))
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(seq_lens, [p / gib for p in peaks], marker="o", label="predicted peak")
-    if capacity_bytes:
-        ax.axhline(capacity_bytes / gib, color="red", linestyle="--", label="device capacity")
+    ax.plot(seq_lens, [p / size for p in peaks], marker="o", label="predicted peak")
+    note = _capacity_line(ax, capacity_bytes, max(peaks), size)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length")
-    ax.set_ylabel("GiB")
-    ax.set_title(title)
+    ax.set_ylabel(unit)
+    ax.set_title(title + note)
     ax.legend()
     fig.tight_layout()
     _save_png(fig, path)
