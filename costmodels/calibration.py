@@ -53,9 +53,9 @@ QUICK = CalibrationSizes(
 class Calibration:
     """Measured achieved rates (per second) and the device spec derived from them."""
 
-    fp32_matmul_flops: float
-    bf16_matmul_flops: float
-    attention_flops: float
+    fp32_matmul_flops_per_s: float
+    bf16_matmul_flops_per_s: float
+    attention_flops_per_s: float
     pointwise_bytes_per_s: float
     host_link_bytes_per_s: float
     disk_write_bytes_per_s: float
@@ -156,8 +156,8 @@ def calibrate(
     spec = DeviceSpec(
         name=name or (torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu-calibrated"),
         memory_bytes=int(memory),
-        bf16_flops=bf16 / COMPUTE_EFFICIENCY,
-        fp32_flops=fp32 / COMPUTE_EFFICIENCY,
+        bf16_flops_per_s=bf16 / COMPUTE_EFFICIENCY,
+        fp32_flops_per_s=fp32 / COMPUTE_EFFICIENCY,
         hbm_bytes_per_s=pointwise / BANDWIDTH_EFFICIENCY,
         host_link_bytes_per_s=host,
         disk_bytes_per_s=min(write, read),
@@ -165,6 +165,6 @@ def calibrate(
         interconnect_bytes_per_s=base.interconnect_bytes_per_s,
         network_bytes_per_s=base.network_bytes_per_s,
         gpus_per_node=1 if dev.type != "cuda" else torch.cuda.device_count(),
-        attention_flops=attention / COMPUTE_EFFICIENCY,
+        attention_flops_per_s=attention / COMPUTE_EFFICIENCY,
     )
     return Calibration(fp32, bf16, attention, pointwise, host, write, read, time.perf_counter() - t0, spec)

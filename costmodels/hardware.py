@@ -1,7 +1,7 @@
 """Accelerator specs used by the runtime and memory cost models.
 
 Sources: vendor datasheets (NVIDIA A100/H100/H200/L40S, AMD MI300X). FLOP/s are dense
-(no 2:4 sparsity); ``fp32_flops`` is the non-tensor-core (vector) fp32 rate.
+(no 2:4 sparsity); ``fp32_flops_per_s`` is the non-tensor-core (vector) fp32 rate.
 ``memory_bytes`` is the capacity a process can see (what ``torch.cuda.get_device_properties``
 reports, slightly below the marketing size where ECC/driver reservations apply).
 Host link is effective one-direction PCIe throughput (gen4 x16 ~25 GB/s, gen5 x16 ~50 GB/s).
@@ -49,8 +49,8 @@ class DeviceSpec:
 
     name: str
     memory_bytes: int
-    bf16_flops: float
-    fp32_flops: float
+    bf16_flops_per_s: float
+    fp32_flops_per_s: float
     hbm_bytes_per_s: float
     host_link_bytes_per_s: float
     disk_bytes_per_s: float
@@ -58,7 +58,7 @@ class DeviceSpec:
     interconnect_bytes_per_s: float = 10e9
     network_bytes_per_s: float = 12.5e9
     gpus_per_node: int = 8
-    attention_flops: float = 0.0  # fused attention's peak rate in the compute dtype; 0: the matmul rate
+    attention_flops_per_s: float = 0.0  # fused attention's peak rate in the compute dtype; 0: the matmul rate
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -135,7 +135,7 @@ def _load_profile(path: str, mtime_ns: int) -> DeviceSpec:
     except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:  # bad JSON, bounds, layout
         raise ValueError(f"{path} is not a memplan device profile ({str(exc)[:200]}); write one with memplan "
                          "calibrate --out FILE") from None
-    if min(spec.bf16_flops, spec.fp32_flops, spec.hbm_bytes_per_s, spec.host_link_bytes_per_s,
+    if min(spec.bf16_flops_per_s, spec.fp32_flops_per_s, spec.hbm_bytes_per_s, spec.host_link_bytes_per_s,
            spec.disk_bytes_per_s, spec.memory_bytes) <= 0:
         raise ValueError(f"device profile {path} has a non-positive rate or capacity; re-run memplan calibrate")
     return spec

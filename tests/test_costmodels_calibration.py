@@ -23,9 +23,9 @@ def tiny():
 def test_calibration_measures_positive_rates(tiny):
     m = tiny.measured()
     assert set(m) == {
-        "fp32_matmul_flops",
-        "bf16_matmul_flops",
-        "attention_flops",
+        "fp32_matmul_flops_per_s",
+        "bf16_matmul_flops_per_s",
+        "attention_flops_per_s",
         "pointwise_bytes_per_s",
         "host_link_bytes_per_s",
         "disk_write_bytes_per_s",
@@ -37,11 +37,11 @@ def test_calibration_measures_positive_rates(tiny):
     assert not d.is_cuda and d.disk_bytes_per_s == min(m["disk_write_bytes_per_s"], m["disk_read_bytes_per_s"])
     # the roofline reproduces the measured matmul rate: a compute-bound op takes flops / measured rate
     flops = 10**12
-    assert op_time_s(flops, 0, torch.float32, d) == pytest.approx(flops / m["fp32_matmul_flops"], rel=1e-3)
+    assert op_time_s(flops, 0, torch.float32, d) == pytest.approx(flops / m["fp32_matmul_flops_per_s"], rel=1e-3)
     assert op_time_s(flops, 0, torch.float32, d, attention=True) == pytest.approx(
-        flops / m["attention_flops"], rel=1e-3
+        flops / m["attention_flops_per_s"], rel=1e-3
     )
-    assert d.fp32_flops == pytest.approx(m["fp32_matmul_flops"] / COMPUTE_EFFICIENCY)
+    assert d.fp32_flops_per_s == pytest.approx(m["fp32_matmul_flops_per_s"] / COMPUTE_EFFICIENCY)
 
 
 def test_profile_round_trip_and_errors(tiny, tmp_path):

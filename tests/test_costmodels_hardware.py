@@ -18,7 +18,7 @@ def test_required_devices_present_and_sane():
     for name in REQUIRED:
         d = DEVICES[name]
         assert d.name == name
-        assert d.bf16_flops >= d.fp32_flops > 0
+        assert d.bf16_flops_per_s >= d.fp32_flops_per_s > 0
         assert d.hbm_bytes_per_s >= d.host_link_bytes_per_s > 0
         assert d.disk_bytes_per_s > 0 and d.memory_bytes > 16 * 2**30
     assert not DEVICES["cpu"].is_cuda and DEVICES["h100-80gb"].is_cuda
@@ -45,7 +45,7 @@ def test_op_time_roofline():
     h100 = get_device("h100-80gb")
     # compute bound: 1e12 FLOPs in bf16
     t = op_time_s(10**12, 0, torch.bfloat16, h100)
-    assert t == pytest.approx(1e12 / (0.7 * h100.bf16_flops) + 5e-6)
+    assert t == pytest.approx(1e12 / (0.7 * h100.bf16_flops_per_s) + 5e-6)
     # fp32 uses the fp32 peak
     assert op_time_s(10**12, 0, torch.float32, h100) > 10 * t
     # memory bound

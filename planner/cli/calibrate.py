@@ -31,9 +31,9 @@ def run(args) -> None:
     result = calibrate(QUICK if args.quick else FULL, device=args.device, disk_folder=args.disk_dir)
     m = result.measured()
     rows = [
-        ["fp32 matmul", f"{m['fp32_matmul_flops'] / 1e9:.1f} GFLOP/s"],
-        ["bf16 matmul", f"{m['bf16_matmul_flops'] / 1e9:.1f} GFLOP/s"],
-        ["attention", f"{m['attention_flops'] / 1e9:.1f} GFLOP/s"],
+        ["fp32 matmul", f"{m['fp32_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s"],
+        ["bf16 matmul", f"{m['bf16_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s"],
+        ["attention", f"{m['attention_flops_per_s'] / 1e9:.1f} GFLOP/s"],
         ["pointwise", f"{format_bytes(int(m['pointwise_bytes_per_s']))}/s"],
         ["host link", f"{format_bytes(int(m['host_link_bytes_per_s']))}/s"],
         ["disk write", f"{format_bytes(int(m['disk_write_bytes_per_s']))}/s"],
