@@ -2,7 +2,7 @@
 
 Two passes over the same fake model, nothing allocated for real:
 
-1. forward, loss and backward under a recording dispatch mode: every aten op in order, the
+1. forward, loss and backward under a recording dispatch mode (tracing/dispatch.py): every aten op in order, the
    storages it creates, and when each storage dies (weakref finalizers fire the moment CPython
    drops the last reference). `saved_tensors_hooks` report exactly which storages autograd saves.
 2. the same forward with saved tensors discarded: where each forward storage would die if
@@ -11,20 +11,15 @@ Two passes over the same fake model, nothing allocated for real:
 
 from __future__ import annotations
 
-import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._tools.mod_tracker import ModTracker
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from costmodels.flops import op_bytes_accessed, op_flops
 from costmodels.memory import get_precision
 from planner.errors import SpecError, TraceError
 from planner.tracing.blocks import (
@@ -33,6 +28,7 @@ from planner.tracing.blocks import (
     module_signature,
     segment_children,
 )
+from planner.tracing.dispatch import OpRecorder, as_int
 from planner.tracing.fake_build import fake_model
 from planner.tracing.fingerprint import model_fingerprint
 from planner.tracing.graph import OpGraph, OpNode, Region, TensorInfo
@@ -62,144 +58,6 @@ def run_step_inputs(model: nn.Module, inputs: tuple | dict) -> Any:
     return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
 
 
-def _as_int(value: Any, what: str) -> int:
-    try:
-        return int(value)
-    except Exception as exc:  # a data-dependent (unbacked) size cannot become an int
-        raise TraceError(f"{what} has a data-dependent size ({value}); memplan needs static shapes") from exc
-
-
-# ATen's mse_loss / smooth_l1_loss / huber_loss compute the unreduced loss and reduce it into the
-# same buffer (Loss.cpp), so the scalar they return keeps the full-size storage alive. Fake
-# tensors get a 4-byte storage; the real kernels do not.
-_REDUCED_INTO_UNREDUCED = ("aten.mse_loss.default", "aten.smooth_l1_loss.default", "aten.huber_loss.default")
-
-
-def _kernel_storage_bytes(func, args, out: torch.Tensor, nbytes: int) -> int:
-    """Storage bytes the real kernel leaves behind for `out` (see _REDUCED_INTO_UNREDUCED)."""
-    if str(func) in _REDUCED_INTO_UNREDUCED and out.dim() == 0:
-        shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
-        numel = 1
-        for d in shape:
-            numel *= _as_int(d, "a loss input")
-        return max(nbytes, numel * out.element_size())
-    return nbytes
-
-
-def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors an op writes in place (its schema marks them `Tensor(a!)`)."""
-    if not func._schema.is_mutable:
-        return []
-    out = []
-    for k, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = args[k] if k < len(args) else kwargs.get(arg.name)
-            out += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
-    return out
-
-
-@dataclass
-class _Storage:
-    tid: int
-    nbytes: int
-    dtype: str
-    shape: tuple[int, ...]
-    alloc_op: int
-
-
-class _Recorder(TorchDispatchMode):
-    """Records aten ops and storage lifetimes; module paths come from a ModTracker."""
-
-    def __init__(self, model: nn.Module, with_costs: bool) -> None:
-        super().__init__()
-        self.fqn = {id(m): name for name, m in model.named_modules()}
-        self.active: list[str] = []  # modules entered and not yet left, innermost last
-        self.tracker = ModTracker()
-        self.tracker.register_user_hooks(self._enter, self._leave, self._enter, self._leave)
-        self.with_costs = with_costs
-        self.ops: list[OpNode] = []
-        self.storages: dict[int, _Storage] = {}
-        self.frees: dict[int, int] = {}
-        self._live: dict[int, int] = {}  # id(storage object) -> tid, only while alive
-        self._next_tid = 0
-        self.phase = "forward"
-        self.recording = True
-        self.current = ("", "")
-
-    # -- storages -----------------------------------------------------------------------
-    def _on_free(self, key: int, tid: int) -> None:
-        self._live.pop(key, None)
-        if self.recording:
-            self.frees[tid] = len(self.ops)
-
-    def tid_of(self, t: torch.Tensor, alloc_op: int, func=None, args=()) -> tuple[int, bool]:
-        """The storage id of `t`, registering it as new (allocated at `alloc_op`) if unseen."""
-        st = t.untyped_storage()
-        key = id(st)
-        tid = self._live.get(key)
-        if tid is not None:
-            return tid, False
-        tid = self._next_tid
-        self._next_tid += 1
-        self._live[key] = tid
-        nbytes = _as_int(st.nbytes(), "a tensor")
-        if func is not None:
-            nbytes = _kernel_storage_bytes(func, args, t, nbytes)
-        self.storages[tid] = _Storage(
-            tid, nbytes, str(t.dtype).replace("torch.", ""),
-            tuple(_as_int(d, "a tensor") for d in t.shape), alloc_op,
-        )
-        weakref.finalize(st, self._on_free, key, tid)
-        return tid, True
-
-    # -- module attribution (forward and backward hooks of a ModTracker) ---------------------
-    def _enter(self, module: nn.Module, *_) -> None:
-        self.active.append(self.fqn.get(id(module), ""))
-
-    def _leave(self, module: nn.Module, *_) -> None:
-        name = self.fqn.get(id(module), "")
-        for k in range(len(self.active) - 1, -1, -1):
-            if self.active[k] == name:
-                del self.active[k]
-                return
-
-    def module_path(self) -> str:
-        """The innermost module running now. In backward a module whose inputs need no grad
-        (an embedding) is never left, so the most recently entered one wins."""
-        return self.active[-1] if self.active else ""
-
-    # -- dispatch -----------------------------------------------------------------------
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        module = self.module_path()
-        self.current = (str(func), module)
-        out = func(*args, **kwargs)
-        out_tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if not out_tensors:  # metadata queries (prim.device, sym_size, ...) allocate nothing
-            return out
-        index = len(self.ops)
-        inputs = tuple(dict.fromkeys(
-            self.tid_of(t, -1)[0] for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-        ))
-        outputs, allocs, dtype = [], [], ""
-        for t in out_tensors:
-            tid, new = self.tid_of(t, index, func, args)
-            outputs.append(tid)
-            if new:
-                allocs.append(tid)
-            dtype = dtype or str(t.dtype).replace("torch.", "")
-        flops = bytes_accessed = 0
-        if self.with_costs:
-            flops = op_flops(func, args, kwargs, out)
-            bytes_accessed = op_bytes_accessed((args, kwargs), out)
-        mutates = tuple(dict.fromkeys(self.tid_of(t, -1)[0] for t in _written(func, args, kwargs)))
-        self.ops.append(OpNode(
-            index, str(func), self.phase, module, int(flops), int(bytes_accessed), dtype,
-            inputs, tuple(dict.fromkeys(outputs)), tuple(allocs), mutates,
-        ))
-        return out
-
-
 def forward_context(precision: str) -> Any:
     autocast_dtype = get_precision(precision).autocast_dtype
     if autocast_dtype is None:
@@ -207,7 +65,7 @@ def forward_context(precision: str) -> Any:
     return torch.autocast("cpu", dtype=autocast_dtype)
 
 
-def _untraceable(rec: _Recorder, spec_name: str, exc: Exception) -> TraceError:
+def _untraceable(rec: OpRecorder, spec_name: str, exc: Exception) -> TraceError:
     op, module = rec.current
     where = f"{op} in module '{module or '<root>'}'" if op else "before the first op"
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -220,7 +78,7 @@ def _untraceable(rec: _Recorder, spec_name: str, exc: Exception) -> TraceError:
     )
 
 
-def _run(model, inputs, rec: _Recorder, precision: str, spec_name: str,
+def _run(model, inputs, rec: OpRecorder, precision: str, spec_name: str,
          saved_hooks: tuple[Callable, Callable], backward: bool) -> tuple[int, torch.Tensor]:
     """Run forward (+ backward) under `rec`; returns the first backward op's index and the loss
     (which a training loop holds through the optimizer step)."""
@@ -291,17 +149,17 @@ def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp3
     param_dtype = str(params[0].dtype).replace("torch.", "") if params else "float32"
 
     def param_bytes_of(m: nn.Module) -> int:
-        return sum(_as_int(p.untyped_storage().nbytes(), "a parameter") for p in m.parameters())
+        return sum(as_int(p.untyped_storage().nbytes(), "a parameter") for p in m.parameters())
 
     # Pass 2 first: natural lifetimes of forward storages when nothing is saved.
     natural_free_by_key: dict[tuple[int, int], int] = {}
     if lifetimes:
-        natural = _Recorder(model, with_costs=False)
+        natural = OpRecorder(model, with_costs=False)
         _register_preexisting(natural, model, inputs)
         _run(model, inputs, natural, precision, name, (lambda t: None, _no_unpack), backward=False)
         natural_free_by_key = _free_by_alloc_key(natural)
 
-    rec = _Recorder(model, with_costs=True)
+    rec = OpRecorder(model, with_costs=True)
     categories = _register_preexisting(rec, model, inputs)
     packs: list[tuple[int, str, int]] = []  # (ops dispatched so far, module, storage) per save
 
@@ -345,7 +203,7 @@ def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp3
     graph = OpGraph(
         ops=ops, tensors=tensors, regions=[],
         backward_start=backward_start, pack_events=tuple((n, module) for n, module, _ in packs),
-        param_shapes=[tuple(_as_int(d, "a parameter") for d in p.shape) for p in params],
+        param_shapes=[tuple(as_int(d, "a parameter") for d in p.shape) for p in params],
         param_dtype=param_dtype,
         meta={"model": name, "precision": precision, "fingerprint": model_fingerprint(model),
               "natural_lifetimes": lifetimes,
@@ -378,7 +236,7 @@ def _no_unpack(_):
     raise RuntimeError("memplan's lifetime pass runs no backward")
 
 
-def _register_preexisting(rec: _Recorder, model: nn.Module, inputs) -> dict[int, str]:
+def _register_preexisting(rec: OpRecorder, model: nn.Module, inputs) -> dict[int, str]:
     categories: dict[int, str] = {}
     for p in model.parameters():
         categories[rec.tid_of(p, -1)[0]] = "parameter"
@@ -390,7 +248,7 @@ def _register_preexisting(rec: _Recorder, model: nn.Module, inputs) -> dict[int,
     return categories
 
 
-def _alloc_keys(rec: _Recorder) -> dict[int, tuple[int, int]]:
+def _alloc_keys(rec: OpRecorder) -> dict[int, tuple[int, int]]:
     """tid -> (allocating op, position among that op's allocations): aligns the two passes."""
     keys = {}
     for op in rec.ops:
@@ -399,7 +257,7 @@ def _alloc_keys(rec: _Recorder) -> dict[int, tuple[int, int]]:
     return keys
 
 
-def _free_by_alloc_key(rec: _Recorder) -> dict[tuple[int, int], int]:
+def _free_by_alloc_key(rec: OpRecorder) -> dict[tuple[int, int], int]:
     keys = _alloc_keys(rec)
     return {keys[tid]: free for tid, free in rec.frees.items() if tid in keys}
 

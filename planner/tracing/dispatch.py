@@ -1,0 +1,173 @@
+"""The dispatch mode under which memplan runs a model on fake tensors: every aten op in order,
+with the storages it reads, creates and writes in place, its module path (from a ModTracker, in
+backward too) and its cost; weakref finalizers record the op after which each storage dies."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from costmodels.flops import op_bytes_accessed, op_flops
+from planner.errors import TraceError
+from planner.tracing.graph import OpNode
+
+__all__ = ["OpRecorder", "as_int"]
+
+
+def as_int(value: Any, what: str) -> int:
+    try:
+        return int(value)
+    except Exception as exc:  # a data-dependent (unbacked) size cannot become an int
+        raise TraceError(f"{what} has a data-dependent size ({value}); memplan needs static shapes") from exc
+
+
+# ATen's mse_loss / smooth_l1_loss / huber_loss compute the unreduced loss and reduce it into the
+# same buffer (Loss.cpp), so the scalar they return keeps the full-size storage alive. Fake
+# tensors get a 4-byte storage; the real kernels do not.
+_REDUCED_INTO_UNREDUCED = ("aten.mse_loss.default", "aten.smooth_l1_loss.default", "aten.huber_loss.default")
+
+
+def _kernel_storage_bytes(func, args, out: torch.Tensor, nbytes: int) -> int:
+    """Storage bytes the real kernel leaves behind for `out` (see _REDUCED_INTO_UNREDUCED)."""
+    if str(func) in _REDUCED_INTO_UNREDUCED and out.dim() == 0:
+        shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
+        numel = 1
+        for d in shape:
+            numel *= as_int(d, "a loss input")
+        return max(nbytes, numel * out.element_size())
+    return nbytes
+
+
+def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an op writes in place (its schema marks them `Tensor(a!)`)."""
+    if not func._schema.is_mutable:
+        return []
+    out = []
+    for k, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[k] if k < len(args) else kwargs.get(arg.name)
+            out += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return out
+
+
+@dataclass
+class _Storage:
+    tid: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    alloc_op: int
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records aten ops and storage lifetimes; module paths come from a ModTracker."""
+
+    def __init__(self, model: nn.Module, with_costs: bool) -> None:
+        super().__init__()
+        self.fqn = {id(m): name for name, m in model.named_modules()}
+        self.active: list[str] = []  # modules entered and not yet left, innermost last
+        self.tracker = ModTracker()
+        self.tracker.register_user_hooks(self._enter, self._leave, self._enter, self._leave)
+        self.with_costs = with_costs
+        self.ops: list[OpNode] = []
+        self.storages: dict[int, _Storage] = {}
+        self.frees: dict[int, int] = {}
+        self._live: dict[int, int] = {}  # id(storage object) -> tid, only while alive
+        self._next_tid = 0
+        self.phase = "forward"
+        self.recording = True
+        self.current = ("", "")
+
+    # -- storages -----------------------------------------------------------------------
+    def _on_free(self, key: int, tid: int) -> None:
+        self._live.pop(key, None)
+        if self.recording:
+            self.frees[tid] = len(self.ops)
+
+    def tid_of(self, t: torch.Tensor, alloc_op: int, func=None, args=()) -> tuple[int, bool]:
+        """The storage id of `t`, registering it as new (allocated at `alloc_op`) if unseen."""
+        st = t.untyped_storage()
+        key = id(st)
+        tid = self._live.get(key)
+        if tid is not None:
+            return tid, False
+        tid = self._next_tid
+        self._next_tid += 1
+        self._live[key] = tid
+        nbytes = as_int(st.nbytes(), "a tensor")
+        if func is not None:
+            nbytes = _kernel_storage_bytes(func, args, t, nbytes)
+        self.storages[tid] = _Storage(
+            tid,
+            nbytes,
+            str(t.dtype).replace("torch.", ""),
+            tuple(as_int(d, "a tensor") for d in t.shape),
+            alloc_op,
+        )
+        weakref.finalize(st, self._on_free, key, tid)
+        return tid, True
+
+    # -- module attribution (forward and backward hooks of a ModTracker) ---------------------
+    def _enter(self, module: nn.Module, *_) -> None:
+        self.active.append(self.fqn.get(id(module), ""))
+
+    def _leave(self, module: nn.Module, *_) -> None:
+        name = self.fqn.get(id(module), "")
+        for k in range(len(self.active) - 1, -1, -1):
+            if self.active[k] == name:
+                del self.active[k]
+                return
+
+    def module_path(self) -> str:
+        """The innermost module running now. In backward a module whose inputs need no grad
+        (an embedding) is never left, so the most recently entered one wins."""
+        return self.active[-1] if self.active else ""
+
+    # -- dispatch -----------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        module = self.module_path()
+        self.current = (str(func), module)
+        out = func(*args, **kwargs)
+        out_tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not out_tensors:  # metadata queries (prim.device, sym_size, ...) allocate nothing
+            return out
+        index = len(self.ops)
+        inputs = tuple(
+            dict.fromkeys(self.tid_of(t, -1)[0] for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        )
+        outputs, allocs, dtype = [], [], ""
+        for t in out_tensors:
+            tid, new = self.tid_of(t, index, func, args)
+            outputs.append(tid)
+            if new:
+                allocs.append(tid)
+            dtype = dtype or str(t.dtype).replace("torch.", "")
+        flops = bytes_accessed = 0
+        if self.with_costs:
+            flops = op_flops(func, args, kwargs, out)
+            bytes_accessed = op_bytes_accessed((args, kwargs), out)
+        mutates = tuple(dict.fromkeys(self.tid_of(t, -1)[0] for t in _written(func, args, kwargs)))
+        self.ops.append(
+            OpNode(
+                index,
+                str(func),
+                self.phase,
+                module,
+                int(flops),
+                int(bytes_accessed),
+                dtype,
+                inputs,
+                tuple(dict.fromkeys(outputs)),
+                tuple(allocs),
+                mutates,
+            )
+        )
+        return out
