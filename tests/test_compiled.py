@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 
 import pytest
 import torch
+from cli_helpers import run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from models_for_tests import PATH, gpt_small, resnet_small
@@ -132,3 +134,28 @@ def test_plan_compiled_fits_the_budget():
     assert sorted(tight.budgets.values())[:2] != [1.0, 1.0]
     with pytest.raises(InfeasibleBudget):
         plan_compiled(spec, config, peak - 5 * saved, budgets=(1.0, 0.5, 0.0))
+
+
+def test_cli_plan_compile_writes_block_budgets(tmp_path, capsys):
+    out = tmp_path / "compiled.json"
+    code, stdout, err = run(
+        [
+            "plan",
+            "--model",
+            f"{PATH}:gpt_small",
+            "--batch-size",
+            str(BATCH),
+            "--seq-len",
+            str(SEQ),
+            "--budget",
+            "95%",
+            "--compile",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    plan = json.loads(out.read_text())
+    assert set(plan["budgets"]) == {f"h.{i}" for i in range(4)} and "activation_memory_budget" in stdout
+    assert plan["predicted_peak_bytes"] <= plan["budget_bytes"]

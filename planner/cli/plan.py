@@ -5,6 +5,7 @@ from __future__ import annotations
 from costmodels.hardware import get_device
 from planner.api import plan_model
 from planner.cli import report
+from planner.cli.compiled import run_compiled
 from planner.cli.options import add_model_options, config_from_args, write_json
 from planner.config import DEFAULT_RESERVE, DEFAULT_TIME_LIMIT_S
 from planner.plans.format import PlanLadder
@@ -34,6 +35,8 @@ def register(add) -> None:
     p.add_argument("--recompute", action="append", default=[], metavar="GLOB", help="always recompute modules matching GLOB")
     p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="solver time limit in seconds")
     p.add_argument("--out", required=True, help="plan file to write (JSON)")
+    p.add_argument("--compile", action="store_true",
+                   help="plan for torch.compile: a per-block activation_memory_budget (writes a compiled plan)")
 
 
 def budget_for(args) -> int | str:
@@ -68,6 +71,8 @@ def _plan_one(args, config, budget: int | str):
 
 def run(args) -> None:
     budget = budget_for(args)
+    if args.compile:
+        return run_compiled(args, config_from_args(args), budget)
     solved = {s: _plan_one(args, config_from_args(args, s), budget) for s in args.seq_len}
     plans = [(s, plan) for s, (plan, _) in solved.items()]
     if len(plans) == 1:

@@ -38,10 +38,12 @@ from costmodels.runtime import BANDWIDTH_EFFICIENCY, op_time_s
 from planner.api import trace_for
 from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget
+from planner.runtime.auto import parse_budget
 from planner.simulation.step import simulate
 from planner.tracing.hf import skip_init
 from planner.tracing.op_classes import ATTENTION_OPS, CONV_OPS, MATMUL_OPS
 from planner.tracing.specs import resolve_spec
+from planner.units import format_bytes
 
 __all__ = [
     "BUDGETS",
@@ -277,12 +279,14 @@ class CompiledPlan:
 
 
 def plan_compiled(
-    spec: str, config: TrainConfig, budget_bytes: int, time_limit_s: float = 10.0, budgets: Sequence[float] = BUDGETS
+    spec: str, config: TrainConfig, budget: int | str, time_limit_s: float = 10.0, budgets: Sequence[float] = BUDGETS
 ) -> CompiledPlan:
-    """Per-block activation budgets for torch.compile under a peak budget (one frontier per block
-    signature, computed on fake tensors)."""
+    """Per-block activation budgets for torch.compile under a peak budget (bytes, a size such as
+    '8GiB' or a percentage of the no-plan peak such as '60%'); one frontier per block signature,
+    computed on fake tensors."""
     graph = trace_for(spec, config)
     timeline = simulate(graph, config)
+    budget_bytes = parse_budget(budget, timeline.peak_bytes)
     device = get_device(config.gpu)
     frontiers: dict[str, list[CompiledPoint]] = {}
     with FakeTensorMode(allow_non_fake_inputs=True), skip_init():
@@ -295,7 +299,14 @@ def plan_compiled(
                     model.get_submodule(region.path), args, kwargs, device, budgets
                 )
     rows = [frontiers[r.signature] for r in graph.regions]
-    rest = timeline.peak_bytes - sum(f[0].saved_bytes for f in rows)  # f[0]: budget 1.0, no recompute
+    rest = timeline.peak_bytes - sum(f[0].saved_bytes for f in rows)  # f[0]: the point without recompute
+    smallest = rest + sum(min(p.saved_bytes for p in f) for f in rows)
+    if smallest > budget_bytes:
+        raise InfeasibleBudget(
+            f"the smallest compiled peak memplan predicts is {format_bytes(smallest)}, over the "
+            f"budget {format_bytes(budget_bytes)}; raise --budget",
+            smallest_peak_bytes=smallest,
+        )
     chosen = choose_budgets(rows, budget_bytes - rest, time_limit_s)
     recompute_s = sum(p.recompute_s for p in chosen)
     step_s = timeline.costs.step_s
