@@ -6,10 +6,12 @@ import math
 from collections import Counter
 
 import pytest
+import torch
+from torch import nn
 
 from planner.errors import TraceError
 from planner.tracing.graph import CATEGORIES, PHASES
-from planner.tracing.recorder import trace
+from planner.tracing.recorder import cast_parameters, trace
 
 PRESETS = ["llama-7b-tiny", "gpt2-tiny", "mistral-7b-tiny", "resnet-tiny", "kwargs-tiny", "mlp-tiny", "bert-tiny"]
 SEQ = {"resnet-tiny": 16, "mlp-tiny": 8}
@@ -231,3 +233,12 @@ def test_networkx_view_is_a_dag_in_execution_order(traced):
     assert nx.is_directed_acyclic_graph(g)
     assert all(u < v for u, v in g.edges)
     assert g.number_of_nodes() == len(graph.ops)
+
+
+def test_tied_weights_stay_tied_when_parameters_are_cast():
+    """A ZeRO-3 bf16 trace casts parameters to bf16; a tied embedding and head stay one parameter."""
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16, bias=False))
+    model[1].weight = model[0].weight
+    cast_parameters(model, torch.bfloat16)
+    assert model[1].weight is model[0].weight and model[0].weight.dtype == torch.bfloat16
+    assert len(list(model.parameters())) == 1

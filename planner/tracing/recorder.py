@@ -271,11 +271,15 @@ def _drop_parameter_saves(tensors: dict[int, TensorInfo]) -> None:
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
     """model.to(dtype) for floating parameters and buffers; works on fake tensors, where
-    Module.to cannot swap parameter tensors."""
+    Module.to cannot swap parameter tensors. A parameter shared by several modules (tied weights)
+    stays one parameter."""
+    cast: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             if p.is_floating_point():
-                setattr(module, name, nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad))
+                if id(p) not in cast:
+                    cast[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+                setattr(module, name, cast[id(p)])
         for name, b in list(module.named_buffers(recurse=False)):
             if b is not None and b.is_floating_point():
                 module.register_buffer(name, b.to(dtype), persistent=name not in module._non_persistent_buffers_set)
