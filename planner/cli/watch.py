@@ -106,14 +106,22 @@ def plot(records: list[dict], path: str) -> None:
     if budgets:
         ax.step(*zip(*budgets), where="post", color="red", label="budget")
     for r in records:
-        for s in r.get("switches", []):
-            ax.axvline(r["step"] + 0.5, color="gray", linewidth=0.8, linestyle=":")
+        for k, s in enumerate(r.get("switches", [])):
+            # a length switch runs in its own step; a monitor's retarget takes effect at the next one
+            x = r["step"] - 0.5 if "plan_seq_len" in s else r["step"] + 0.5
+            ax.axvline(x, color="gray", linewidth=0.8, linestyle=":")
             ax.annotate(
-                s["reason"][:40], (r["step"] + 0.5, ax.get_ylim()[1]), fontsize=6, rotation=90, va="top", ha="right"
+                s["reason"][:48],
+                (x, 1 - 0.5 * k),
+                xycoords=("data", "axes fraction"),
+                fontsize=6,
+                rotation=90,
+                va="top",
+                ha="right",
             )
     ax.set_xlabel("step")
     ax.set_ylabel("MiB")
-    ax.set_title("memplan watch: measured vs predicted peak per step (dotted: plan switch for the next step)")
+    ax.set_title("memplan watch: measured vs predicted peak per step (dotted: plan switches)")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     buf = io.BytesIO()
