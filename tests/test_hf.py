@@ -10,10 +10,21 @@ pytest.importorskip("transformers")
 
 from planner.api import plan_model, verify_model  # noqa: E402
 from planner.config import TrainConfig  # noqa: E402
+from planner.errors import SpecError  # noqa: E402
 
-CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "vocab_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
 
 
 @pytest.fixture()
@@ -35,3 +46,28 @@ def test_hf_llama_plan_fits_and_is_predicted(hf_spec):
     result = verify_model(hf_spec, config, plan)
     assert result.measured_bytes <= plan.budget_bytes
     assert abs(result.error) <= 0.03, result
+
+
+VIT = {
+    "architectures": ["ViTForImageClassification"],
+    "model_type": "vit",
+    "image_size": 32,
+    "patch_size": 8,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_labels": 10,
+}
+
+
+def test_hf_config_builds_its_architecture_with_its_inputs(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(VIT))  # a vision model: seq_len is the image side
+    result = verify_model(f"hf:{tmp_path / 'config.json'}", TrainConfig(batch_size=4, seq_len=32))
+    assert abs(result.error) <= 0.01, result
+
+
+def test_hf_config_without_an_architecture_that_is_no_causal_lm_says_what_to_add(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in VIT.items() if k != "architectures"}))
+    with pytest.raises(SpecError, match='"architectures"'):
+        verify_model(f"hf:{tmp_path / 'config.json'}", TrainConfig(batch_size=1, seq_len=32))

@@ -28,18 +28,34 @@ __all__ = ["disable_kv_cache", "eager_transformers", "hf_builder", "skip_init"]
 
 
 def _build_hf(config_path: str, batch_size: int, seq_len: int) -> tuple[nn.Module, dict]:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The config's first architecture (a causal LM when it names none) with random inputs:
+    images of side seq_len for vision models, token ids and labels otherwise."""
+    import transformers
 
-    config = AutoConfig.from_pretrained(config_path)
+    config = transformers.AutoConfig.from_pretrained(config_path)
+    architecture = (getattr(config, "architectures", None) or [""])[0]
+    model_class = getattr(transformers, architecture, None)
+    if model_class is None:
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        except ValueError as e:
+            raise SpecError(
+                f"Hugging Face config {config_path} names no architecture memplan can build and is not a "
+                'causal LM; add e.g. "architectures": ["T5ForConditionalGeneration"] to it'
+            ) from e
+    else:
+        model = model_class(config)
+    if model.main_input_name == "pixel_values":
+        channels = getattr(config, "num_channels", 3)
+        labels = torch.randint(0, max(1, getattr(config, "num_labels", 2)), (batch_size,))
+        return model, {"pixel_values": torch.randn(batch_size, channels, seq_len, seq_len), "labels": labels}
     input_ids, labels = random_tokens(batch_size, seq_len, config.vocab_size)
-    return AutoModelForCausalLM.from_config(config), {
-        "input_ids": input_ids,
-        "labels": labels,
-    }
+    return model, {"input_ids": input_ids, "labels": labels}
 
 
 def hf_builder(config_path: str) -> Callable[[int, int], tuple[nn.Module, dict]]:
-    """build(batch_size, seq_len) for a Hugging Face causal LM config; SpecError when unusable."""
+    """build(batch_size, seq_len) for a Hugging Face config (its `architectures`, else a causal LM;
+    seq_len is the image side of a vision model); SpecError when unusable."""
     try:
         import transformers  # noqa: F401
     except ImportError as e:
