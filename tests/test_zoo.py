@@ -38,6 +38,17 @@ def test_moe_routing_assumption_is_recorded_and_sizes_the_busiest_expert():
     assert routing["routers"] == 2 and routing["experts"] == 4 and routing["top_k"] == 2
     assert routing["busiest_expert_rows"] == routing["mean_rows_per_expert"] == 2 * 32 * 2 / 4
     assert skewed.meta["moe"]["busiest_expert_rows"] == 2 * routing["mean_rows_per_expert"]
+
+    def expert_matmul_rows(graph):  # rows of each expert's matmuls in the per-expert loop
+        return {
+            graph.tensors[t].shape[0]
+            for op in graph.ops[: graph.backward_start]
+            if op.module.startswith("model.layers.0.mlp.experts") and op.name.startswith("aten.mm")
+            for t in op.allocs
+        }
+
+    assert expert_matmul_rows(balanced) == {32}
+    assert max(expert_matmul_rows(skewed)) == 64
     # the routed rows sum to tokens x top-k either way: same saved activations, same op count
     assert len(skewed.ops) == len(balanced.ops)
     plan = solve(skewed, config.with_(moe_imbalance=2.0), 10**9)
