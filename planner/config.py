@@ -26,7 +26,7 @@ class TrainConfig:
     optimizer: str = "adamw"
     zero_stage: int = 0
     dp: int = 1
-    gpu: str = "cpu"
+    gpu: str = "cpu"  # a device name (costmodels.hardware.DEVICES) or the path of a memplan calibrate profile
     # How the trace reads the model: the busiest MoE expert's tokens over the mean (1.0: balanced
     # routing), and globs naming the checkpointable blocks (empty: found by structure).
     moe_imbalance: float = 1.0
