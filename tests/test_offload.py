@@ -106,3 +106,19 @@ def test_spill_directory_removed_at_exit_without_remove(tmp_path: Path) -> None:
     child.communicate(timeout=60)
     assert child.returncode != 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_forked_child_leaves_the_parents_spill_directory(tmp_path: Path) -> None:
+    spill = tmp_path / "memplan-spill-x"
+    spill.mkdir()
+    cleanup.track(spill)
+    try:
+        pid = os.fork()
+        if pid == 0:  # a DataLoader worker that is terminated, or exits normally
+            os.kill(os.getpid(), signal.SIGTERM)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+        assert spill.exists() and spill in cleanup.tracked()
+    finally:
+        cleanup.untrack(spill)

@@ -4,7 +4,8 @@ An exception or KeyboardInterrupt unwinds through ``PlanHandle.remove()`` (a con
 ``finally``); what is still tracked when the interpreter exits is removed by an ``atexit`` hook; and
 SIGTERM, which would end the process without either, gets a handler that removes the tracked
 directories and then hands the signal on: to the previous Python handler, or (when that was the
-default action) back to the default action, re-raised so the exit status still says SIGTERM.
+default action) back to the default action, re-raised so the exit status still says SIGTERM. A forked child (a DataLoader
+worker) starts with nothing tracked, so its exit or SIGTERM leaves the parent's directories alone.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ def remove_tracked() -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker) must never remove its parent's spill directories."""
+    _dirs.clear()
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
     remove_tracked()
     previous = _previous_sigterm
@@ -68,6 +74,7 @@ def _install() -> None:
             return
         _installed = True
     atexit.register(remove_tracked)
+    os.register_at_fork(after_in_child=_forget_in_child)
     if threading.current_thread() is not threading.main_thread():
         return  # handlers can only be set from the main thread; the exit hook still runs
     previous = signal.getsignal(signal.SIGTERM)
