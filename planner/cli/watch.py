@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import io
-import json
 from pathlib import Path
 from statistics import median
 
 from planner.cli import report
 from planner.cli.options import write_json
 from planner.errors import MemplanError
-from planner.safe_io import write_bytes
+from planner.safe_io import loads_json, read_bounded, write_bytes
 from planner.units import format_bytes
 
 __all__ = ["read_log", "register", "run", "summary"]
 
 EXAMPLE = "memplan watch mem.jsonl --plot mem.png"
+LOG_MAX_BYTES = 256 * 2**20
+"""Largest monitor log read (about 300 bytes per step: close to a million steps)."""
 
 
 def register(add) -> None:
@@ -27,17 +28,22 @@ def register(add) -> None:
     p.add_argument("--json", dest="json_path", help="write the summary as JSON")
 
 
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def read_log(path: str | Path) -> list[dict]:
     """The step records of a monitor log; a line that is not a step record is a MemplanError."""
     records = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    text = read_bounded(path, LOG_MAX_BYTES, "monitor log").decode("utf-8", "replace")
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
+        try:  # bounded depth and numbers: a damaged or hostile line is refused, not a traceback
+            record = loads_json(line)
+        except ValueError:
             record = None
-        if not isinstance(record, dict) or "measured_peak_bytes" not in record or "step" not in record:
+        if not (isinstance(record, dict) and _number(record.get("measured_peak_bytes")) and _number(record.get("step"))):
             raise MemplanError(
                 f"{path} line {n} is not a memplan monitor record; pass the log that planner.MemoryMonitor writes"
             )
