@@ -173,3 +173,20 @@ def test_hostile_device_profiles_are_one_line_errors(content: str | None, tmp_pa
         Path(path).write_text(content)
     code, _, err = run(["simulate", "--model", "gpt2-tiny", "--seq-len", "32", "--gpu", path], capsys)
     assert_user_error(code, err, "simulate", "not a memplan device profile")
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        '{"step": 1, "measured_peak_bytes": [1]}',
+        "[" * 5000,
+        '{"step": 1, "step": 2, "measured_peak_bytes": 1}',
+        '{"step": 1, "measured_peak_bytes": ' + "9" * 5000 + "}",
+        "\x1b]0;x\x07",
+    ],
+)
+def test_hostile_monitor_logs_are_one_line_errors(line: str, tmp_path: Path, capsys) -> None:
+    path = tmp_path / "mem.jsonl"
+    path.write_text(line + "\n")
+    code, _, err = run(["watch", str(path)], capsys)
+    assert_user_error(code, err, "watch", "not a memplan monitor record")
