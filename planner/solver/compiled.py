@@ -39,6 +39,7 @@ from planner.api import trace_for
 from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget
 from planner.runtime.auto import parse_budget
+from planner.signals import interruptible
 from planner.simulation.step import simulate
 from planner.tracing.hf import skip_init
 from planner.tracing.op_classes import ATTENTION_OPS, CONV_OPS, MATMUL_OPS
@@ -250,7 +251,8 @@ def choose_budgets(
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = 1
-    status = solver.solve(model)
+    with interruptible(solver):  # Ctrl-C stops the search and raises; the caller's SIGINT handler stays
+        status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise InfeasibleBudget(
             "CP-SAT found no per-block budgets in time; raise the time limit", smallest_peak_bytes=least
