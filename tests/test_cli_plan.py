@@ -55,7 +55,9 @@ def test_plan_writes_a_loadable_plan_and_prints_the_table(tmp_path, capsys):
     assert plan.strategy == "optimal" and plan.budget_bytes == budget and plan.decisions
     assert plan.predicted.peak_bytes <= budget < plan.predicted.baseline_peak_bytes
     assert plan.config["seq_len"] == 64 and plan.config["batch_size"] == 2
-    assert load_plan(json_path) == plan
+    report = json.loads(json_path.read_text())
+    assert load_plan(report["plan"]) == plan
+    assert {r["strategy"] for r in report["strategies"]["64"]} >= set(BASELINES)
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:4] == ["strategy", "peak", "overhead", "fits"])
     table = lines[header + 2:header + 2 + len(BASELINES) + 1]

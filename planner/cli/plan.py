@@ -82,4 +82,4 @@ def run(args) -> None:
     plan.save(args.out)
     print(f"wrote {args.out}")
     strategies = {str(s): [r.to_dict() for r in rows] for s, (_, rows) in solved.items()}
-    write_json(args.json_path, {**plan.to_dict(), "strategies": strategies})  # the table printed above
+    write_json(args.json_path, {"plan": plan.to_dict(), "strategies": strategies})  # and the table printed above
