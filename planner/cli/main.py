@@ -9,14 +9,20 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
-from planner.cli import apply, calibrate, diagnose, fit, plan, simulate, verify
 from planner.errors import MemplanError
+from planner.safe_io import clean
+
+try:  # torch and OR-Tools import here (seconds): a Ctrl-C meanwhile is one line and exit 130 too
+    from planner.cli import apply, calibrate, diagnose, fit, plan, simulate, verify, watch
+except KeyboardInterrupt:
+    sys.stderr.write("memplan: interrupted\n")
+    raise SystemExit(130) from None
 
 __all__ = ["main"]
 
-SUBCOMMANDS = (simulate, verify, plan, apply, diagnose, fit, calibrate)
+SUBCOMMANDS = (simulate, verify, plan, apply, diagnose, fit, calibrate, watch)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,24 +61,30 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+ERROR_MAX_CHARS = 1000
+"""Longest error line printed (messages may quote file contents; those are capped and cleaned)."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = _build_parser()
-    args = parser.parse_args(argv)
+    command = "memplan"
     try:
+        args = _build_parser().parse_args(argv)
+        command = f"memplan {args.command}"
         args.fn(args)
+        sys.stdout.flush()  # a closed pipe fails here, inside the try, not at interpreter exit
+    except BrokenPipeError:  # output piped into `head` and closed: not an error (an OSError, so first)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit-time flush must not fail
+        return 0
     except (MemplanError, ValueError) as exc:  # memplan's errors; any other ValueError too, for safety
-        message = " ".join(str(exc).split())
-        print(f"memplan {args.command}: error: {message}", file=sys.stderr)
+        print(f"{command}: error: {clean(' '.join(str(exc).split()), ERROR_MAX_CHARS)}", file=sys.stderr)
         return 2
     except OSError as exc:  # a path that cannot be read or written
-        where = f" '{exc.filename}'" if exc.filename else ""
-        print(f"memplan {args.command}: error: {exc.strerror or exc}{where}; check the path", file=sys.stderr)
+        where = f" '{clean(exc.filename)}'" if exc.filename else ""
+        print(f"{command}: error: {clean(exc.strerror or exc)}{where}; check the path", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print(f"{command}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # output piped into `head` and closed: not an error
-        sys.stdout = open(os.devnull, "w")
-        return 0
     return 0
 
 
