@@ -8,17 +8,36 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 
 from planner.errors import MemplanError
 from planner.safe_io import clean
 
-try:  # torch and OR-Tools import here (seconds): a Ctrl-C meanwhile is one line and exit 130 too
+_interrupted_while_importing: list[int] = []
+
+
+def _note_interrupt(signum: int, frame: object) -> None:
+    _interrupted_while_importing.append(signum)  # noted: a library's bare `except:` may swallow the raise
+    raise KeyboardInterrupt
+
+
+# torch and OR-Tools import here (seconds): a Ctrl-C meanwhile is one line and exit 130 too.
+_watch = threading.current_thread() is threading.main_thread()
+_watch = _watch and signal.getsignal(signal.SIGINT) is signal.default_int_handler  # else: ignored or handled
+_previous_sigint = signal.signal(signal.SIGINT, _note_interrupt) if _watch else None
+try:
     from planner.cli import apply, calibrate, diagnose, fit, plan, simulate, verify, watch
 except KeyboardInterrupt:
+    _interrupted_while_importing.append(signal.SIGINT)
+finally:
+    if _previous_sigint is not None:
+        signal.signal(signal.SIGINT, _previous_sigint)
+if _interrupted_while_importing:
     sys.stderr.write("memplan: interrupted\n")
-    raise SystemExit(130) from None
+    raise SystemExit(130)
 
 __all__ = ["main"]
 
