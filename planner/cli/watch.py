@@ -43,7 +43,9 @@ def read_log(path: str | Path) -> list[dict]:
             record = loads_json(line)
         except ValueError:
             record = None
-        if not (isinstance(record, dict) and _number(record.get("measured_peak_bytes")) and _number(record.get("step"))):
+        if not (
+            isinstance(record, dict) and _number(record.get("measured_peak_bytes")) and _number(record.get("step"))
+        ):
             raise MemplanError(
                 f"{path} line {n} is not a memplan monitor record; pass the log that planner.MemoryMonitor writes"
             )
