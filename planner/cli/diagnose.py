@@ -6,12 +6,13 @@ from planner.analysis.diagnose import diagnose, diagnose_oom_message, diagnose_s
 from planner.cli import report
 from planner.cli.options import add_model_options, config_from_args, write_json
 from planner.config import DEFAULT_TIME_LIMIT_S
+from planner.safe_io import clean  # snapshot text (pools, frames) may carry escape sequences
 from planner.units import format_bytes
 
 __all__ = ["register", "run"]
 
-EXAMPLE = ("memplan diagnose --model llama-7b --gpu a100-40gb --seq-len 4096\\n"
-           "  memplan diagnose --snapshot snapshot.pickle\\n"
+EXAMPLE = ("memplan diagnose --model llama-7b --gpu a100-40gb --seq-len 4096\n"
+           "  memplan diagnose --snapshot snapshot.pickle\n"
            "  memplan diagnose --oom-message \"CUDA out of memory. Tried to allocate ...\"")
 
 _NEEDS_INPUT = "diagnose needs --model SPEC, --snapshot FILE or --oom-message TEXT"
@@ -27,16 +28,16 @@ def _pct(x: float | None) -> str:
 
 def _print_snapshot(path: str, json_path: str | None) -> None:
     r = diagnose_snapshot(path)
-    print(f"snapshot {path} ({r.format}): reserved {_fb(r.reserved_bytes)}, allocated {_fb(r.allocated_bytes)}, "
+    print(f"snapshot {clean(path)} ({r.format}): reserved {_fb(r.reserved_bytes)}, allocated {_fb(r.allocated_bytes)}, "
           f"free in cache {_fb(r.free_bytes)} (largest block {_fb(r.largest_free_block_bytes)}), "
           f"fragmentation {r.fragmentation_ratio * 100:.1f}%")
-    rows = [[p.pool, p.segments, _fb(p.reserved_bytes), _fb(p.allocated_bytes), _fb(p.free_bytes)]
+    rows = [[clean(p.pool, 40), p.segments, _fb(p.reserved_bytes), _fb(p.allocated_bytes), _fb(p.free_bytes)]
             for p in r.segments_by_pool]
     if rows:
         print(report.table(["pool", "segments", "reserved", "allocated", "free"], rows))
     if r.top_allocations:
         print("largest live allocations:")
-        print(report.table(["size", "where"], [[_fb(a.size), a.frames[0] if a.frames else "?"]
+        print(report.table(["size", "where"], [[_fb(a.size), clean(a.frames[0]) if a.frames else "?"]
                                                 for a in r.top_allocations]))
     for line in r.advice:
         print(f"- {line}")
