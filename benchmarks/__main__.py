@@ -12,9 +12,18 @@ from pathlib import Path
 
 from benchmarks.common import Options, to_jsonable
 
-TABLES = {"accuracy": "accuracy", "quality": "quality", "presets": "preset_quality", "solver": "solver_scaling",
-          "large": "large", "speed": "simulate_speed", "measured": "measured_time", "zoo": "zoo", "fsdp": "fsdp",
-          "configurations": "configurations"}
+TABLES = {
+    "accuracy": "accuracy",
+    "quality": "quality",
+    "presets": "preset_quality",
+    "solver": "solver_scaling",
+    "large": "large",
+    "speed": "simulate_speed",
+    "measured": "measured_time",
+    "zoo": "zoo",
+    "fsdp": "fsdp",
+    "configurations": "configurations",
+}
 TABLES["adaptive"] = "adaptive"  # growing sequence: adaptive plan vs a fixed one (benchmarks/adaptive.py)
 
 
@@ -22,8 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     p.add_argument("--quick", action="store_true", help="reduced set (under 10 minutes on 2 cores)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for results.json")
-    p.add_argument("--only", default=",".join(t for t in TABLES if t != "measured"),
-                   help="comma list of: " + ", ".join(TABLES))
+    p.add_argument(
+        "--only", default=",".join(t for t in TABLES if t != "measured"), help="comma list of: " + ", ".join(TABLES)
+    )
     p.add_argument("--measured-time", action="store_true", help="only the measured-time table (needs a quiet machine)")
     p.add_argument("--models", default="", help="comma list of model names to keep in every table")
     args = p.parse_args(argv)
@@ -34,8 +44,16 @@ def main(argv: list[str] | None = None) -> int:
     opts = Options(quick=args.quick, models=tuple(m.strip() for m in args.models.split(",") if m.strip()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"meta": {"quick": args.quick, "only": only, "models": list(opts.models),
-                              "argv": sys.argv if argv is None else argv}, "timings_s": {}, "failures": []}
+    results: dict = {
+        "meta": {
+            "quick": args.quick,
+            "only": only,
+            "models": list(opts.models),
+            "argv": sys.argv if argv is None else argv,
+        },
+        "timings_s": {},
+        "failures": [],
+    }
     t_all = time.perf_counter()
     for name in only:
         module = importlib.import_module(f"benchmarks.{TABLES[name]}")
@@ -54,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         (out / "results.json").write_text(json.dumps(to_jsonable(results), indent=1))
     results["timings_s"]["total"] = round(time.perf_counter() - t_all, 1)
     (out / "results.json").write_text(json.dumps(to_jsonable(results), indent=1))
-    print(f"\nwrote {out / 'results.json'} in {results['timings_s']['total']} s"
-          + (f"; failures: {results['failures']}" if results["failures"] else ""))
+    print(
+        f"\nwrote {out / 'results.json'} in {results['timings_s']['total']} s"
+        + (f"; failures: {results['failures']}" if results["failures"] else "")
+    )
     return 1 if results["failures"] else 0
 
 

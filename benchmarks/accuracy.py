@@ -59,38 +59,64 @@ def run(opts: Options) -> list[dict]:
         config = TrainConfig(batch_size=batch, seq_len=seq, precision="fp32", optimizer="adamw", gpu="cpu")
         for size, model in (("tiny", tiny), ("small", small)):
             for kind in ("none", "optimal"):
-                row = {"model": name, "spec": model if size == "tiny" else model.rsplit(":", 1)[1],
-                       "size": size, "batch_size": batch, "seq_len": seq, "plan": kind}
+                row = {
+                    "model": name,
+                    "spec": model if size == "tiny" else model.rsplit(":", 1)[1],
+                    "size": size,
+                    "batch_size": batch,
+                    "seq_len": seq,
+                    "plan": kind,
+                }
                 try:
                     plan = make_plan(model, config) if kind == "optimal" else None
                     if plan is not None:
-                        row.update(strategy=plan.strategy, budget_bytes=plan.budget_bytes,
-                                   budget_fraction=plan.budget_bytes / plan.predicted.baseline_peak_bytes,
-                                   plan_peak_fraction=plan.predicted.peak_bytes / plan.predicted.baseline_peak_bytes)
+                        row.update(
+                            strategy=plan.strategy,
+                            budget_bytes=plan.budget_bytes,
+                            budget_fraction=plan.budget_bytes / plan.predicted.baseline_peak_bytes,
+                            plan_peak_fraction=plan.predicted.peak_bytes / plan.predicted.baseline_peak_bytes,
+                        )
                     r = verify_model(model, config, plan)
                     row.update(predicted_bytes=r.predicted_bytes, measured_bytes=r.measured_bytes, error=r.error)
                 except Exception as e:  # a failure is a result too: keep going
-                    row.update(predicted_bytes=None, measured_bytes=None, error=None,
-                               failure=f"{type(e).__name__}: {e}")
+                    row.update(
+                        predicted_bytes=None, measured_bytes=None, error=None, failure=f"{type(e).__name__}: {e}"
+                    )
                 rows.append(row)
     return rows
 
 
 def show(rows: list[dict]) -> None:
-    print_table("accuracy: predicted vs measured peak, CPU fp32 AdamW; budget = fraction of the no-plan peak",
-                ["model", "size", "batch x seq", "plan", "strategy", "budget", "plan peak", "predicted",
-                 "measured", "error"],
-                [[r["model"], r["size"], f"{r['batch_size']} x {r['seq_len']}", r["plan"], r.get("strategy", "-"),
-                  pct(r.get("budget_fraction"), 1), pct(r.get("plan_peak_fraction"), 1), gb(r["predicted_bytes"]),
-                  gb(r["measured_bytes"]), pct(r["error"], 2) if r["error"] is not None else r.get("failure", "-")]
-                 for r in rows])
+    print_table(
+        "accuracy: predicted vs measured peak, CPU fp32 AdamW; budget = fraction of the no-plan peak",
+        ["model", "size", "batch x seq", "plan", "strategy", "budget", "plan peak", "predicted", "measured", "error"],
+        [
+            [
+                r["model"],
+                r["size"],
+                f"{r['batch_size']} x {r['seq_len']}",
+                r["plan"],
+                r.get("strategy", "-"),
+                pct(r.get("budget_fraction"), 1),
+                pct(r.get("plan_peak_fraction"), 1),
+                gb(r["predicted_bytes"]),
+                gb(r["measured_bytes"]),
+                pct(r["error"], 2) if r["error"] is not None else r.get("failure", "-"),
+            ]
+            for r in rows
+        ],
+    )
     ok = [abs(r["error"]) for r in rows if r["error"] is not None]
     if ok:
         within = sum(e <= TOLERANCE for e in ok)
-        print(f"{len(ok)}/{len(rows)} rows measured; max |error| {max(ok) * 100:.2f}%, "
-              f"mean |error| {sum(ok) / len(ok) * 100:.2f}%; within {TOLERANCE:.0%}: {within}/{len(rows)}")
+        print(
+            f"{len(ok)}/{len(rows)} rows measured; max |error| {max(ok) * 100:.2f}%, "
+            f"mean |error| {sum(ok) / len(ok) * 100:.2f}%; within {TOLERANCE:.0%}: {within}/{len(rows)}"
+        )
     planned = [r for r in rows if r["plan"] == "optimal" and r.get("budget_fraction") is not None]
     at70 = sum(r["budget_fraction"] <= BUDGET_FRACTION + 1e-6 for r in planned)
     if planned:
-        print(f"plans made at <= {BUDGET_FRACTION:.0%} of the no-plan peak: {at70}/{len(planned)}; the others "
-              "at the smallest peak memplan can reach")
+        print(
+            f"plans made at <= {BUDGET_FRACTION:.0%} of the no-plan peak: {at70}/{len(planned)}; the others "
+            "at the smallest peak memplan can reach"
+        )

@@ -31,8 +31,17 @@ def run(opts: Options) -> list[dict]:
         report = cheapest_configuration(graph, config, budget, max_gpus=256)
         wall = time.perf_counter() - t0
         for c in report.configurations:
-            rows.append({"model": model, "seq_len": seq, "gpu": gpu, "budget_bytes": budget, **c.to_dict(),
-                         "recommended": c == report.recommended, "search_wall_s": round(wall, 1)})
+            rows.append(
+                {
+                    "model": model,
+                    "seq_len": seq,
+                    "gpu": gpu,
+                    "budget_bytes": budget,
+                    **c.to_dict(),
+                    "recommended": c == report.recommended,
+                    "search_wall_s": round(wall, 1),
+                }
+            )
     return rows
 
 
@@ -47,16 +56,27 @@ def show(rows: list[dict]) -> None:
         for cpu_offload in (False, True):
             for plan in (False, True):
                 r = _fewest(rows, optimizer=optimizer, cpu_offload=cpu_offload, plan=plan)
-                table.append([optimizer, "yes" if cpu_offload else "no", "yes" if plan else "no",
-                              r["gpus"] if r else "none fit", gb(r["peak_bytes"]) if r else "-",
-                              gb(r["host_bytes"]) if r and cpu_offload else "-",
-                              f"{r['step_s']:.2f}" if r else "-",
-                              f"{r['gpu_hours_per_million_tokens']:.1f}" if r else "-"])
+                table.append(
+                    [
+                        optimizer,
+                        "yes" if cpu_offload else "no",
+                        "yes" if plan else "no",
+                        r["gpus"] if r else "none fit",
+                        gb(r["peak_bytes"]) if r else "-",
+                        gb(r["host_bytes"]) if r and cpu_offload else "-",
+                        f"{r['step_s']:.2f}" if r else "-",
+                        f"{r['gpu_hours_per_million_tokens']:.1f}" if r else "-",
+                    ]
+                )
     head = rows[0] if rows else {}
-    print_table(f"configurations: {head.get('model')} seq {head.get('seq_len')} bf16-mixed on {head.get('gpu')}, "
-                f"fewest GPUs per combination (search {head.get('search_wall_s')} s)",
-                ["optimizer", "host offload", "plan", "GPUs", "peak / GPU", "host / GPU", "step s",
-                 "GPU-h / M tokens"], table)
+    print_table(
+        f"configurations: {head.get('model')} seq {head.get('seq_len')} bf16-mixed on {head.get('gpu')}, "
+        f"fewest GPUs per combination (search {head.get('search_wall_s')} s)",
+        ["optimizer", "host offload", "plan", "GPUs", "peak / GPU", "host / GPU", "step s", "GPU-h / M tokens"],
+        table,
+    )
     best = next((r for r in rows if r["recommended"]), None)
     if best:
-        print(f"  recommended: {best['label']} ({best['gpu_hours_per_million_tokens']:.1f} GPU-hours per million tokens)")
+        print(
+            f"  recommended: {best['label']} ({best['gpu_hours_per_million_tokens']:.1f} GPU-hours per million tokens)"
+        )

@@ -21,9 +21,11 @@ import torch
 from benchmarks.models import spec
 
 # name, spec, seq_len, precision
-MODELS = [("llama-1024-L8", spec("llama_1024_L8"), 2048, "bf16-mixed"),
-          ("gpt2", "gpt2", 1024, "fp32"),
-          ("mistral-small", spec("mistral_small"), 2048, "bf16-mixed")]
+MODELS = [
+    ("llama-1024-L8", spec("llama_1024_L8"), 2048, "bf16-mixed"),
+    ("gpt2", "gpt2", 1024, "fp32"),
+    ("mistral-small", spec("mistral_small"), 2048, "bf16-mixed"),
+]
 
 
 def _gpu_name() -> str:
@@ -43,8 +45,7 @@ def check(name: str, model_spec: str, seq: int, precision: str) -> dict:
     torch.manual_seed(0)
     model, inputs = resolve_spec(model_spec).build(batch_size=1, seq_len=seq)
     model = model.to("cuda", prec.param_dtype)
-    inputs = ({k: v.cuda() for k, v in inputs.items()} if isinstance(inputs, dict)
-              else tuple(v.cuda() for v in inputs))
+    inputs = {k: v.cuda() for k, v in inputs.items()} if isinstance(inputs, dict) else tuple(v.cuda() for v in inputs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # the CUDA default (foreach), as simulated
 
     def step():
@@ -62,11 +63,19 @@ def check(name: str, model_spec: str, seq: int, precision: str) -> dict:
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved()
     model = opt = inputs = None  # drop the step closure's references before emptying the cache
     torch.cuda.empty_cache()
-    return {"model": name, "spec": model_spec, "seq_len": seq, "precision": precision, "gpu": config.gpu,
-            "device_name": torch.cuda.get_device_name(0), "predicted_bytes": predicted,
-            "max_allocated_bytes": allocated, "reserved_bytes": reserved,
-            "error_vs_allocated": (predicted - allocated) / allocated,
-            "error_vs_reserved": (predicted - reserved) / reserved}
+    return {
+        "model": name,
+        "spec": model_spec,
+        "seq_len": seq,
+        "precision": precision,
+        "gpu": config.gpu,
+        "device_name": torch.cuda.get_device_name(0),
+        "predicted_bytes": predicted,
+        "max_allocated_bytes": allocated,
+        "reserved_bytes": reserved,
+        "error_vs_allocated": (predicted - allocated) / allocated,
+        "error_vs_reserved": (predicted - reserved) / reserved,
+    }
 
 
 def _cuda_batch(model_spec: str, seq: int, precision: str):
@@ -76,8 +85,7 @@ def _cuda_batch(model_spec: str, seq: int, precision: str):
     torch.manual_seed(0)
     model, inputs = resolve_spec(model_spec).build(batch_size=1, seq_len=seq)
     model = model.to("cuda", get_precision(precision).param_dtype)
-    inputs = ({k: v.cuda() for k, v in inputs.items()} if isinstance(inputs, dict)
-              else tuple(v.cuda() for v in inputs))
+    inputs = {k: v.cuda() for k, v in inputs.items()} if isinstance(inputs, dict) else tuple(v.cuda() for v in inputs)
     return model, inputs
 
 
@@ -106,18 +114,30 @@ def check_live(name: str, model_spec: str, seq: int, precision: str, out: Path, 
     handle = auto_checkpoint(model, inputs, "60%", precision=precision, offload=offload)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # CUDA default: foreach
     log = out / f"gpu-live-{name}{'-offload' if offload else ''}.jsonl"
-    with MemoryMonitor(log, handle, adapt=True, empty_cache_above=64 * 2**20, record_history=True,
-                       report_dir=out) as monitor:
+    with MemoryMonitor(
+        log, handle, adapt=True, empty_cache_above=64 * 2**20, record_history=True, report_dir=out
+    ) as monitor:
         _train(model, inputs, optimizer, monitor, 4, precision)
     last = monitor.records[-1]
-    row = {"model": name, "offload": offload, "gpu": handle.config.gpu, "budget_bytes": handle.budget_bytes,
-           "plan_decisions": len(handle.plan.decisions), "offload_bytes": handle.plan.predicted.offload_bytes,
-           "predicted_bytes": last.predicted_peak_bytes, "max_allocated_bytes": last.measured_peak_bytes,
-           "drift": last.drift, "reserved_bytes": last.reserved_bytes,
-           "inactive_split_bytes": last.inactive_split_bytes, "alloc_retries": last.alloc_retries,
-           "ooms": last.ooms, "empty_cache_count": monitor.empty_cache_count,
-           "steps_over_budget": [r.step for r in monitor.records if r.measured_peak_bytes > handle.budget_bytes],
-           "switches": [s["reason"] for r in monitor.records for s in r.switches], "log": str(log)}
+    row = {
+        "model": name,
+        "offload": offload,
+        "gpu": handle.config.gpu,
+        "budget_bytes": handle.budget_bytes,
+        "plan_decisions": len(handle.plan.decisions),
+        "offload_bytes": handle.plan.predicted.offload_bytes,
+        "predicted_bytes": last.predicted_peak_bytes,
+        "max_allocated_bytes": last.measured_peak_bytes,
+        "drift": last.drift,
+        "reserved_bytes": last.reserved_bytes,
+        "inactive_split_bytes": last.inactive_split_bytes,
+        "alloc_retries": last.alloc_retries,
+        "ooms": last.ooms,
+        "empty_cache_count": monitor.empty_cache_count,
+        "steps_over_budget": [r.step for r in monitor.records if r.measured_peak_bytes > handle.budget_bytes],
+        "switches": [s["reason"] for r in monitor.records for s in r.switches],
+        "log": str(log),
+    }
     handle.remove()
     del model, optimizer, inputs
     torch.cuda.empty_cache()
@@ -147,8 +167,12 @@ def check_oom(out: Path) -> dict:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
     report = out / "memplan-oom-step1.json"
-    return {"model": "oom-observer", "raised": raised, "report": json.loads(report.read_text()) if report.exists()
-            else None, "snapshot_written": (out / "memplan-oom-step1.pickle").exists()}
+    return {
+        "model": "oom-observer",
+        "raised": raised,
+        "report": json.loads(report.read_text()) if report.exists() else None,
+        "snapshot_written": (out / "memplan-oom-step1.pickle").exists(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

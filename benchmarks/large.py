@@ -31,10 +31,14 @@ def run(opts: Options) -> list[dict]:
         t0 = time.perf_counter()
         try:
             n_without, without, n_with, with_plan, budget = _fit(model, config)
-            row.update(budget_bytes=budget, min_gpus_without_plan=n_without, min_gpus_with_plan=n_with,
-                       peak_without_plan=(without or {}).get("peak_bytes"),
-                       peak_with_plan=(with_plan or {}).get("peak_bytes"),
-                       overhead=(with_plan or {}).get("overhead"))
+            row.update(
+                budget_bytes=budget,
+                min_gpus_without_plan=n_without,
+                min_gpus_with_plan=n_with,
+                peak_without_plan=(without or {}).get("peak_bytes"),
+                peak_with_plan=(with_plan or {}).get("peak_bytes"),
+                overhead=(with_plan or {}).get("overhead"),
+            )
         except Exception as e:
             row["failure"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         row["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -43,12 +47,24 @@ def run(opts: Options) -> list[dict]:
 
 
 def show(rows: list[dict]) -> None:
-    print_table("large: ZeRO-3, bf16-mixed, batch 1; plan budget 95% of capacity; peaks at each GPU count",
-                ["model", "seq", "gpu", "GPUs no plan", "peak no plan", "GPUs plan", "peak plan", "overhead",
-                 "wall_s"],
-                [[r["model"], r["seq_len"], r["gpu"], r.get("min_gpus_without_plan") or "none fit",
-                  gb(r.get("peak_without_plan")), r.get("min_gpus_with_plan") or "none fit", gb(r.get("peak_with_plan")),
-                  pct(r.get("overhead")), f"{r['wall_s']:.1f}"] for r in rows])
+    print_table(
+        "large: ZeRO-3, bf16-mixed, batch 1; plan budget 95% of capacity; peaks at each GPU count",
+        ["model", "seq", "gpu", "GPUs no plan", "peak no plan", "GPUs plan", "peak plan", "overhead", "wall_s"],
+        [
+            [
+                r["model"],
+                r["seq_len"],
+                r["gpu"],
+                r.get("min_gpus_without_plan") or "none fit",
+                gb(r.get("peak_without_plan")),
+                r.get("min_gpus_with_plan") or "none fit",
+                gb(r.get("peak_with_plan")),
+                pct(r.get("overhead")),
+                f"{r['wall_s']:.1f}",
+            ]
+            for r in rows
+        ],
+    )
     for r in rows:
         if "failure" in r:
             print(f"  {r['model']} {r['seq_len']} {r['gpu']}: {r['failure']}")

@@ -57,8 +57,10 @@ def _shape(a):
 
 def node_key(n: torch.fx.Node) -> tuple:
     """(op target, input shapes): what identifies 'the same computation' across two partitions."""
-    return (str(n.target), tuple(_shape(a) for a in tree_flatten((n.args, n.kwargs))[0]
-                                 if isinstance(a, torch.fx.Node)))
+    return (
+        str(n.target),
+        tuple(_shape(a) for a in tree_flatten((n.args, n.kwargs))[0] if isinstance(a, torch.fx.Node)),
+    )
 
 
 def node_time_s(n: torch.fx.Node, device) -> float:
@@ -81,7 +83,7 @@ def recompute_time_s(remat_bw: torch.fx.GraphModule, base_bw: torch.fx.GraphModu
     for n in remat_bw.graph.nodes:
         if n.op == "call_function":
             by_key[node_key(n)].append(node_time_s(n, device))
-    return sum(sum(sorted(t)[-(len(t) - base.get(k, 0)):]) for k, t in by_key.items() if len(t) > base.get(k, 0))
+    return sum(sum(sorted(t)[-(len(t) - base.get(k, 0)) :]) for k, t in by_key.items() if len(t) > base.get(k, 0))
 
 
 def recompute_flops(remat_bw: torch.fx.GraphModule, base_bw: torch.fx.GraphModule) -> tuple[int, dict]:
@@ -155,13 +157,23 @@ def partition(spec: str, batch_size: int, seq_len: int, budget: float | None) ->
         def compiler(gm, _):
             got[key] = gm
             return make_boxed_func(gm)
+
         return compiler
 
-    part = default_partition if budget is None else functools.partial(min_cut_rematerialization_partition,
-                                                                      compiler="inductor")
+    part = (
+        default_partition
+        if budget is None
+        else functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+    )
     with fconfig.patch(activation_memory_budget=1.0 if budget is None else budget):
         wrapped = aot_module(_Loss(model), fw_compiler=keep("fw"), bw_compiler=keep("bw"), partition_fn=part)
         run_step_inputs(wrapped, inputs).backward()
     fw, bw = graph_flops(got["fw"]), graph_flops(got["bw"])
-    return {"fw_flops": fw, "bw_flops": bw, "flops": fw + bw, "saved_bytes": saved_bytes(got["fw"], got["bw"]),
-            "fw": got["fw"], "bw": got["bw"]}
+    return {
+        "fw_flops": fw,
+        "bw_flops": bw,
+        "flops": fw + bw,
+        "saved_bytes": saved_bytes(got["fw"], got["bw"]),
+        "fw": got["fw"],
+        "bw": got["bw"],
+    }

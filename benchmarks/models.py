@@ -49,8 +49,9 @@ def bert_small(batch_size: int, seq_len: int):
 
 
 def resnet_small(batch_size: int, seq_len: int):
-    return _build_convnet(ConvNetConfig(channels=(16, 32, 64, 128), blocks=(2, 2, 2, 2), num_classes=10),
-                          batch_size, seq_len)
+    return _build_convnet(
+        ConvNetConfig(channels=(16, 32, 64, 128), blocks=(2, 2, 2, 2), num_classes=10), batch_size, seq_len
+    )
 
 
 def mlp_small(batch_size: int, seq_len: int):
@@ -71,8 +72,9 @@ def gpt2_act(batch_size: int, seq_len: int):
 
 
 def resnet_act(batch_size: int, seq_len: int):
-    return _build_convnet(ConvNetConfig(channels=(16, 32, 64, 64), blocks=(8, 4, 4, 4), num_classes=10),
-                          batch_size, seq_len)
+    return _build_convnet(
+        ConvNetConfig(channels=(16, 32, 64, 64), blocks=(8, 4, 4, 4), num_classes=10), batch_size, seq_len
+    )
 
 
 def mlp_act(batch_size: int, seq_len: int):

@@ -40,8 +40,12 @@ from planner.tracing.recorder import loss_of, run_step_inputs
 from planner.tracing.specs import resolve_spec
 
 # name, spec, batch size, seq_len (resnet: image side)
-MODELS = [("llama", spec("llama_act"), 4, 512), ("gpt2", spec("gpt2_act"), 4, 512),
-          ("resnet", spec("resnet_act"), 8, 64), ("mlp", spec("mlp_act"), 4, 1024)]
+MODELS = [
+    ("llama", spec("llama_act"), 4, 512),
+    ("gpt2", spec("gpt2_act"), 4, 512),
+    ("resnet", spec("resnet_act"), 8, 64),
+    ("mlp", spec("mlp_act"), 4, 1024),
+]
 QUICK = ("llama", "gpt2", "resnet")
 BUDGETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 QUICK_BUDGETS = (0.4, 0.6, 0.8)
@@ -119,8 +123,16 @@ def _model_rows(name: str, model: str, batch: int, seq: int, budgets) -> list[di
     mc_base = partition(model, batch, seq, None)
     for frac in budgets:
         budget = int(frac * base.peak_bytes)
-        row = {"model": name, "batch_size": batch, "seq_len": seq, "budget_fraction": frac, "budget_bytes": budget,
-               "none_peak_bytes": base.peak_bytes, "none_activation_bytes": activation, "strategies": {}}
+        row = {
+            "model": name,
+            "batch_size": batch,
+            "seq_len": seq,
+            "budget_fraction": frac,
+            "budget_bytes": budget,
+            "none_peak_bytes": base.peak_bytes,
+            "none_activation_bytes": activation,
+            "strategies": {},
+        }
         for s in compare_strategies(graph, config, budget, BASELINES):
             row["strategies"][s.strategy] = {"peak_bytes": s.peak_bytes, "overhead": s.overhead, "fits": s.fits}
         try:
@@ -130,13 +142,18 @@ def _model_rows(name: str, model: str, batch: int, seq: int, budgets) -> list[di
             reduction = base_saved - saved_activation_bytes(tl)
             measured = real[0] - real_base[0]
             row["optimal"] = {
-                "peak_bytes": plan.predicted.peak_bytes, "overhead": plan.predicted.overhead, "fits": True,
-                "status": plan.solver.status, "gap": plan.solver.gap,
-                "saved_bytes_reduction": reduction, "recompute_flops": plan.predicted.recompute_flops,
+                "peak_bytes": plan.predicted.peak_bytes,
+                "overhead": plan.predicted.overhead,
+                "fits": True,
+                "status": plan.solver.status,
+                "gap": plan.solver.gap,
+                "saved_bytes_reduction": reduction,
+                "recompute_flops": plan.predicted.recompute_flops,
                 "flops_per_saved_byte": ratio(plan.predicted.recompute_flops, reduction),
                 "flop_overhead": plan.predicted.recompute_flops / step_flops,
                 "measured_recompute_flops": measured,
-                "measured_recompute_flops_fcm": real[1] - real_base[1]}
+                "measured_recompute_flops_fcm": real[1] - real_base[1],
+            }
             if abs(measured - plan.predicted.recompute_flops) > FLOP_MISMATCH * max(measured, 1):
                 pred = predicted_by_op(graph, plan)
                 extra = real[2] - real_base[2]  # backward ops of the planned run beyond the unplanned one
@@ -147,22 +164,33 @@ def _model_rows(name: str, model: str, batch: int, seq: int, budgets) -> list[di
         fitting = [v["overhead"] for v in row["strategies"].values() if v["fits"]]
         row["baseline_fits"] = bool(fitting)
         # only meaningful where some baseline fits; None where none does
-        row["dominates"] = (bool(row["optimal"]["fits"] and all(row["optimal"]["overhead"] <= o + TOL for o in fitting))
-                            if fitting else None)
+        row["dominates"] = (
+            bool(row["optimal"]["fits"] and all(row["optimal"]["overhead"] <= o + TOL for o in fitting))
+            if fitting
+            else None
+        )
         # the partitioner's budget is a fraction of activation memory: ask it for the same peak
         mc_frac = min(1.0, max(0.0, (budget - non_activation) / activation)) if activation else 1.0
         mc = partition(model, batch, seq, mc_frac)
         mc_flops, mc_by_op = recompute_flops(mc["bw"], mc_base["bw"])
         mc_red = mc_base["saved_bytes"] - mc["saved_bytes"]
-        row["mincut"] = {"activation_memory_budget": mc_frac, "saved_bytes": mc["saved_bytes"],
-                         "baseline_saved_bytes": mc_base["saved_bytes"], "saved_bytes_reduction": mc_red,
-                         "recompute_flops": mc_flops, "recompute_flops_by_op": mc_by_op,
-                         "flops_per_saved_byte": ratio(mc_flops, mc_red),
-                         "flop_overhead": mc_flops / mc_base["flops"],
-                         # priced like memplan prices its own plans: eager roofline on the same device
-                         "overhead": recompute_time_s(mc["bw"], mc_base["bw"], get_device(config.gpu)) / base.costs.step_s}
-        row["dominates_mincut"] = (bool(row["optimal"]["fits"] and row["optimal"]["overhead"] <= row["mincut"]["overhead"] + TOL)
-                                   if row["optimal"]["fits"] else None)
+        row["mincut"] = {
+            "activation_memory_budget": mc_frac,
+            "saved_bytes": mc["saved_bytes"],
+            "baseline_saved_bytes": mc_base["saved_bytes"],
+            "saved_bytes_reduction": mc_red,
+            "recompute_flops": mc_flops,
+            "recompute_flops_by_op": mc_by_op,
+            "flops_per_saved_byte": ratio(mc_flops, mc_red),
+            "flop_overhead": mc_flops / mc_base["flops"],
+            # priced like memplan prices its own plans: eager roofline on the same device
+            "overhead": recompute_time_s(mc["bw"], mc_base["bw"], get_device(config.gpu)) / base.costs.step_s,
+        }
+        row["dominates_mincut"] = (
+            bool(row["optimal"]["fits"] and row["optimal"]["overhead"] <= row["mincut"]["overhead"] + TOL)
+            if row["optimal"]["fits"]
+            else None
+        )
         rows.append(row)
     return rows
 
@@ -176,38 +204,82 @@ def show(rows: list[dict]) -> None:
         if "failure" in r:
             print(f"quality: {r['model']} failed: {r['failure']}")
     rows = [r for r in rows if "failure" not in r]
-    print_table("quality: overhead of the plan that fits (simulated); budget = fraction of the no-plan peak; "
-                "'no fit' = over budget",
-                ["model", "batch x seq", "budget", "optimal", "opt peak"] + [b for b in BASELINES] + ["dominates"],
-                [[r["model"], f"{r['batch_size']} x {r['seq_len']}", pct(r["budget_fraction"], 0),
-                  _cell(r["optimal"]) if r["optimal"]["fits"] else "infeasible", gb(r["optimal"].get("peak_bytes"))]
-                 + [_cell(r["strategies"][b]) for b in BASELINES]
-                 + ["-" if r["dominates"] is None else str(r["dominates"])] for r in rows])
+    print_table(
+        "quality: overhead of the plan that fits (simulated); budget = fraction of the no-plan peak; "
+        "'no fit' = over budget",
+        ["model", "batch x seq", "budget", "optimal", "opt peak"] + [b for b in BASELINES] + ["dominates"],
+        [
+            [
+                r["model"],
+                f"{r['batch_size']} x {r['seq_len']}",
+                pct(r["budget_fraction"], 0),
+                _cell(r["optimal"]) if r["optimal"]["fits"] else "infeasible",
+                gb(r["optimal"].get("peak_bytes")),
+            ]
+            + [_cell(r["strategies"][b]) for b in BASELINES]
+            + ["-" if r["dominates"] is None else str(r["dominates"])]
+            for r in rows
+        ],
+    )
     fit = [r for r in rows if r["dominates"] is not None]
     n = sum(r["dominates"] for r in fit)
     feasible = sum(r["optimal"]["fits"] for r in rows)
-    print(f"{len(fit)}/{len(rows)} (model, budget) points have a fitting baseline; memplan optimal overhead <= "
-          f"every fitting baseline at {n}/{len(fit)} of them; memplan feasible at {feasible}/{len(rows)}")
-    print_table("quality: memplan vs min-cut partitioner, asked for the same peak (min-cut activation_memory_budget "
-                "= (budget - non-activation bytes) / activation bytes of the no-plan peak); same FLOP rule; "
-                "saved = bytes kept for backward; flop ovh = recomputed FLOPs / forward+backward FLOPs",
-                ["model", "budget", "mc act budget", "memplan saved-", "memplan rFLOPs", "real rFLOPs", "real rFLOPs(fcm)",
-                 "FLOP/B", "mincut saved-", "mincut rFLOPs", "FLOP/B", "flop ovh memplan", "flop ovh mincut",
-                 "time ovh memplan", "time ovh mincut"],
-                [[r["model"], pct(r["budget_fraction"], 0), pct(r["mincut"]["activation_memory_budget"], 0),
-                  gb(r["optimal"].get("saved_bytes_reduction")),
-                  sci(r["optimal"].get("recompute_flops")), sci(r["optimal"].get("measured_recompute_flops")),
-                  sci(r["optimal"].get("measured_recompute_flops_fcm")), sci(r["optimal"].get("flops_per_saved_byte")),
-                  gb(r["mincut"]["saved_bytes_reduction"]), sci(r["mincut"]["recompute_flops"]),
-                  sci(r["mincut"]["flops_per_saved_byte"]), pct(r["optimal"].get("flop_overhead")),
-                  pct(r["mincut"]["flop_overhead"]), pct(r["optimal"].get("overhead")),
-                  pct(r["mincut"]["overhead"])] for r in rows])
+    print(
+        f"{len(fit)}/{len(rows)} (model, budget) points have a fitting baseline; memplan optimal overhead <= "
+        f"every fitting baseline at {n}/{len(fit)} of them; memplan feasible at {feasible}/{len(rows)}"
+    )
+    print_table(
+        "quality: memplan vs min-cut partitioner, asked for the same peak (min-cut activation_memory_budget "
+        "= (budget - non-activation bytes) / activation bytes of the no-plan peak); same FLOP rule; "
+        "saved = bytes kept for backward; flop ovh = recomputed FLOPs / forward+backward FLOPs",
+        [
+            "model",
+            "budget",
+            "mc act budget",
+            "memplan saved-",
+            "memplan rFLOPs",
+            "real rFLOPs",
+            "real rFLOPs(fcm)",
+            "FLOP/B",
+            "mincut saved-",
+            "mincut rFLOPs",
+            "FLOP/B",
+            "flop ovh memplan",
+            "flop ovh mincut",
+            "time ovh memplan",
+            "time ovh mincut",
+        ],
+        [
+            [
+                r["model"],
+                pct(r["budget_fraction"], 0),
+                pct(r["mincut"]["activation_memory_budget"], 0),
+                gb(r["optimal"].get("saved_bytes_reduction")),
+                sci(r["optimal"].get("recompute_flops")),
+                sci(r["optimal"].get("measured_recompute_flops")),
+                sci(r["optimal"].get("measured_recompute_flops_fcm")),
+                sci(r["optimal"].get("flops_per_saved_byte")),
+                gb(r["mincut"]["saved_bytes_reduction"]),
+                sci(r["mincut"]["recompute_flops"]),
+                sci(r["mincut"]["flops_per_saved_byte"]),
+                pct(r["optimal"].get("flop_overhead")),
+                pct(r["mincut"]["flop_overhead"]),
+                pct(r["optimal"].get("overhead")),
+                pct(r["mincut"]["overhead"]),
+            ]
+            for r in rows
+        ],
+    )
     judged = [r for r in rows if r.get("dominates_mincut") is not None]
-    print(f"time overhead (eager roofline, the same cost model for both): memplan <= min-cut at "
-          f"{sum(r['dominates_mincut'] for r in judged)}/{len(judged)} points; under torch.compile the "
-          "partitioner's recomputed pointwise ops fuse into neighbouring kernels and cost less than this")
+    print(
+        f"time overhead (eager roofline, the same cost model for both): memplan <= min-cut at "
+        f"{sum(r['dominates_mincut'] for r in judged)}/{len(judged)} points; under torch.compile the "
+        "partitioner's recomputed pointwise ops fuse into neighbouring kernels and cost less than this"
+    )
     for r in rows:
         diff = r["optimal"].get("recompute_op_diff")
         if diff:
-            print(f"  {r['model']} {pct(r['budget_fraction'], 0)}: predicted vs real recomputed FLOPs differ by op "
-                  "(op: predicted / real): " + ", ".join(f"{k} {sci(p)} / {sci(m)}" for k, (p, m) in diff.items()))
+            print(
+                f"  {r['model']} {pct(r['budget_fraction'], 0)}: predicted vs real recomputed FLOPs differ by op "
+                "(op: predicted / real): " + ", ".join(f"{k} {sci(p)} / {sci(m)}" for k, (p, m) in diff.items())
+            )

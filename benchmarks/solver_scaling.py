@@ -27,8 +27,14 @@ def run(opts: Options) -> list[dict]:
     keep = QUICK_LAYERS if opts.quick else LAYERS
     entries = opts.select(MODELS) if opts.models else [m for m in MODELS if m[2] in keep]
     for name, model, layers in entries:
-        row = {"model": name, "layers": layers, "seq_len": CONFIG.seq_len, "gpu": CONFIG.gpu,
-               "precision": CONFIG.precision, "batch_size": CONFIG.batch_size}
+        row = {
+            "model": name,
+            "layers": layers,
+            "seq_len": CONFIG.seq_len,
+            "gpu": CONFIG.gpu,
+            "precision": CONFIG.precision,
+            "batch_size": CONFIG.batch_size,
+        }
         t0 = time.perf_counter()
         graph = trace_for(model, CONFIG)
         row["trace_s"] = round(time.perf_counter() - t0, 3)
@@ -41,20 +47,51 @@ def run(opts: Options) -> list[dict]:
         row.update(budget_bytes=budget, budget_fraction=budget / base)
         try:
             r = solve_choices(graph, CONFIG, budget, time_limit_s=TIME_LIMIT_S)
-            row.update(solve_s=round(r.wall_s, 3), gap=r.gap, status=r.status, num_variables=r.num_variables,
-                       peak_bytes=r.timeline.peak_bytes, overhead=r.timeline.costs.overhead)
+            row.update(
+                solve_s=round(r.wall_s, 3),
+                gap=r.gap,
+                status=r.status,
+                num_variables=r.num_variables,
+                peak_bytes=r.timeline.peak_bytes,
+                overhead=r.timeline.costs.overhead,
+            )
         except ValueError as e:
-            row.update(solve_s=None, gap=None, status="FAILED", num_variables=None,
-                       failure=str(e).splitlines()[0])
+            row.update(solve_s=None, gap=None, status="FAILED", num_variables=None, failure=str(e).splitlines()[0])
         rows.append(row)
     return rows
 
 
 def show(rows: list[dict]) -> None:
-    print_table("solver: Llama-shaped (hidden 1024, batch 8 x seq 2048, bf16-mixed, h100-80gb), budget 50% of no-plan peak, "
-                f"CP-SAT limit {TIME_LIMIT_S:.0f} s",
-                ["model", "ops", "trace_s", "solve_s", "status", "gap", "variables", "budget", "none peak", "plan peak",
-                 "overhead"],
-                [[r["model"], r["num_ops"], f"{r['trace_s']:.2f}", "-" if r["solve_s"] is None else f"{r['solve_s']:.2f}",
-                  r["status"], pct(r["gap"], 2), r["num_variables"] if r["num_variables"] is not None else "-", pct(r["budget_fraction"], 0),
-                  gb(r["none_peak_bytes"]), gb(r.get("peak_bytes")), pct(r.get("overhead"))] for r in rows])
+    print_table(
+        "solver: Llama-shaped (hidden 1024, batch 8 x seq 2048, bf16-mixed, h100-80gb), budget 50% of no-plan peak, "
+        f"CP-SAT limit {TIME_LIMIT_S:.0f} s",
+        [
+            "model",
+            "ops",
+            "trace_s",
+            "solve_s",
+            "status",
+            "gap",
+            "variables",
+            "budget",
+            "none peak",
+            "plan peak",
+            "overhead",
+        ],
+        [
+            [
+                r["model"],
+                r["num_ops"],
+                f"{r['trace_s']:.2f}",
+                "-" if r["solve_s"] is None else f"{r['solve_s']:.2f}",
+                r["status"],
+                pct(r["gap"], 2),
+                r["num_variables"] if r["num_variables"] is not None else "-",
+                pct(r["budget_fraction"], 0),
+                gb(r["none_peak_bytes"]),
+                gb(r.get("peak_bytes")),
+                pct(r.get("overhead")),
+            ]
+            for r in rows
+        ],
+    )

@@ -40,6 +40,8 @@ def _host_memory_bytes() -> int:
         return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (AttributeError, ValueError, OSError):
         return 64 * GiB
+
+
 MiB = 1024**2
 
 
@@ -118,8 +120,9 @@ def _read_profile_json(path: str) -> Any:
     if len(raw) > PROFILE_MAX_BYTES:
         raise ValueError(f"larger than {PROFILE_MAX_BYTES} bytes")
     try:
-        return json.loads(raw.decode("utf-8"), parse_int=_bounded_int, parse_float=_bounded_number,
-                          parse_constant=_bounded_number)
+        return json.loads(
+            raw.decode("utf-8"), parse_int=_bounded_int, parse_float=_bounded_number, parse_constant=_bounded_number
+        )
     except RecursionError:
         raise ValueError("nested too deep") from None
 
@@ -133,10 +136,20 @@ def _load_profile(path: str, mtime_ns: int) -> DeviceSpec:
         known = {f.name for f in fields(DeviceSpec)}
         spec = DeviceSpec(**{k: v for k, v in data["device"].items() if k in known})
     except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:  # bad JSON, bounds, layout
-        raise ValueError(f"{path} is not a memplan device profile ({str(exc)[:200]}); write one with memplan "
-                         "calibrate --out FILE") from None
-    if min(spec.bf16_flops_per_s, spec.fp32_flops_per_s, spec.hbm_bytes_per_s, spec.host_link_bytes_per_s,
-           spec.disk_bytes_per_s, spec.memory_bytes) <= 0:
+        raise ValueError(
+            f"{path} is not a memplan device profile ({str(exc)[:200]}); write one with memplan calibrate --out FILE"
+        ) from None
+    if (
+        min(
+            spec.bf16_flops_per_s,
+            spec.fp32_flops_per_s,
+            spec.hbm_bytes_per_s,
+            spec.host_link_bytes_per_s,
+            spec.disk_bytes_per_s,
+            spec.memory_bytes,
+        )
+        <= 0
+    ):
         raise ValueError(f"device profile {path} has a non-positive rate or capacity; re-run memplan calibrate")
     return spec
 

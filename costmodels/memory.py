@@ -28,8 +28,18 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 
 DTYPE_BYTES: dict[torch.dtype, int] = {
     dt: dtype_bytes(dt)
-    for dt in (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64,
-               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+    for dt in (
+        torch.float64,
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
 }
 
 

@@ -25,13 +25,18 @@ def peak_flops_per_s(dtype: torch.dtype, device: DeviceSpec) -> float:
     return device.bf16_flops_per_s if dtype in _HALF_DTYPES else device.fp32_flops_per_s
 
 
-def op_time_s(flops: int, bytes_accessed: int, dtype: torch.dtype, device: DeviceSpec,
-              attention: bool = False) -> float:
+def op_time_s(
+    flops: int, bytes_accessed: int, dtype: torch.dtype, device: DeviceSpec, attention: bool = False
+) -> float:
     """Roofline time of one op in seconds (see module docstring); `attention` ops run at the device's
     attention rate where it has one (a calibrated profile)."""
     if flops < 0 or bytes_accessed < 0:
         raise ValueError("flops and bytes_accessed must be >= 0")
-    rate = device.attention_flops_per_s if attention and device.attention_flops_per_s > 0 else peak_flops_per_s(dtype, device)
+    rate = (
+        device.attention_flops_per_s
+        if attention and device.attention_flops_per_s > 0
+        else peak_flops_per_s(dtype, device)
+    )
     compute = flops / (COMPUTE_EFFICIENCY * rate)
     memory = bytes_accessed / (BANDWIDTH_EFFICIENCY * device.hbm_bytes_per_s)
     overhead = CUDA_LAUNCH_OVERHEAD_S if device.is_cuda else CPU_LAUNCH_OVERHEAD_S

@@ -1,11 +1,11 @@
 """memplan: a simulation-first memory planner for PyTorch training.
 
-    graph = planner.tracing.recorder("llama-7b", batch_size=1, seq_len=4096, precision="bf16-mixed")
-    config = planner.TrainConfig(batch_size=1, seq_len=4096, precision="bf16-mixed", gpu="h100-80gb")
-    timeline = planner.simulation.step(graph, config)              # peak, phase, op and module at the peak
-    plan = planner.solver.cpsat(graph, config, budget_bytes=60 * 2**30)
-    plan.save("plan.json")
-    handle = planner.apply_plan(model, "plan.json")          # handle.remove() undoes it
+graph = planner.tracing.recorder("llama-7b", batch_size=1, seq_len=4096, precision="bf16-mixed")
+config = planner.TrainConfig(batch_size=1, seq_len=4096, precision="bf16-mixed", gpu="h100-80gb")
+timeline = planner.simulation.step(graph, config)              # peak, phase, op and module at the peak
+plan = planner.solver.cpsat(graph, config, budget_bytes=60 * 2**30)
+plan.save("plan.json")
+handle = planner.apply_plan(model, "plan.json")          # handle.remove() undoes it
 """
 
 from importlib import import_module
@@ -14,19 +14,29 @@ from importlib import import_module
 # `import planner.cli.main` stays light and the CLI can end a Ctrl-C during the heavy imports
 # (torch, OR-Tools: seconds) with one line; `from planner import X` works as before.
 _EXPORTS = {
-    "plan_model": "planner.api", "simulate_model": "planner.api", "verify_model": "planner.api",
+    "plan_model": "planner.api",
+    "simulate_model": "planner.api",
+    "verify_model": "planner.api",
     "TrainConfig": "planner.config",
-    "InfeasibleBudget": "planner.errors", "SpecError": "planner.errors", "TraceError": "planner.errors",
-    "Decision": "planner.plans.format", "Plan": "planner.plans.format", "PlanLadder": "planner.plans.format",
+    "InfeasibleBudget": "planner.errors",
+    "SpecError": "planner.errors",
+    "TraceError": "planner.errors",
+    "Decision": "planner.plans.format",
+    "Plan": "planner.plans.format",
+    "PlanLadder": "planner.plans.format",
     "load_plan": "planner.plans.format",
-    "PlanHandle": "planner.runtime.apply", "apply_plan": "planner.runtime.apply",
-    "auto_checkpoint": "planner.runtime.auto", "plan_for": "planner.runtime.auto",
+    "PlanHandle": "planner.runtime.apply",
+    "apply_plan": "planner.runtime.apply",
+    "auto_checkpoint": "planner.runtime.auto",
+    "plan_for": "planner.runtime.auto",
     "MemoryMonitor": "planner.runtime.monitor",
-    "Timeline": "planner.simulation.step", "simulate": "planner.simulation.step",
+    "Timeline": "planner.simulation.step",
+    "simulate": "planner.simulation.step",
     "solve": "planner.solver.planning",
     "OpGraph": "planner.tracing.graph",
     "trace": "planner.tracing.recorder",
-    "list_presets": "planner.tracing.specs", "resolve_spec": "planner.tracing.specs",
+    "list_presets": "planner.tracing.specs",
+    "resolve_spec": "planner.tracing.specs",
 }
 
 __all__ = sorted(_EXPORTS)

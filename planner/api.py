@@ -27,8 +27,15 @@ from planner.tracing.recorder import trace
 from planner.tracing.specs import resolve_spec
 from planner.units import format_bytes
 
-__all__ = ["simulate_model", "VerifyResult", "verify_model", "plan_for_config", "trace_for", "plan_model",
-           "check_plan_for_spec"]
+__all__ = [
+    "simulate_model",
+    "VerifyResult",
+    "verify_model",
+    "plan_for_config",
+    "trace_for",
+    "plan_model",
+    "check_plan_for_spec",
+]
 
 
 def plan_for_config(plan: Plan | PlanLadder | str | Path | None, seq_len: int) -> Plan | None:
@@ -67,8 +74,9 @@ class VerifyResult:
         return asdict(self)
 
 
-def verify_model(spec: str, config: TrainConfig, plan: Plan | PlanLadder | str | None = None,
-                 seed: int = 0) -> VerifyResult:
+def verify_model(
+    spec: str, config: TrainConfig, plan: Plan | PlanLadder | str | None = None, seed: int = 0
+) -> VerifyResult:
     """Build the real model on CPU, run a warm-up and a measured step, compare with the simulator."""
     if config.gpu != "cpu":
         raise ValueError(f"verify runs on this machine's CPU; use --gpu cpu (got {config.gpu})")
@@ -90,19 +98,36 @@ def verify_model(spec: str, config: TrainConfig, plan: Plan | PlanLadder | str |
         if handle is not None:
             handle.remove()
     error = (timeline.peak_bytes - measured.peak_bytes) / measured.peak_bytes
-    return VerifyResult(spec, timeline.peak_bytes, measured.peak_bytes, error, measured.loss,
-                        config.to_dict(), plan_path)
+    return VerifyResult(
+        spec, timeline.peak_bytes, measured.peak_bytes, error, measured.loss, config.to_dict(), plan_path
+    )
 
 
 def trace_for(spec: str, config: TrainConfig, lifetimes: bool = True):
     """The trace a config needs (ZeRO-3 traces parameters as FSDP gathers them)."""
-    return trace(spec, batch_size=config.batch_size, seq_len=config.seq_len, precision=config.precision,
-                 gathered_params=config.zero_stage == 3, lifetimes=lifetimes,
-                 moe_imbalance=config.moe_imbalance, blocks=config.blocks)
+    return trace(
+        spec,
+        batch_size=config.batch_size,
+        seq_len=config.seq_len,
+        precision=config.precision,
+        gathered_params=config.zero_stage == 3,
+        lifetimes=lifetimes,
+        moe_imbalance=config.moe_imbalance,
+        blocks=config.blocks,
+    )
 
 
-def plan_model(spec: str, config: TrainConfig, budget_bytes: int | str, *, strategy: str = "optimal",
-               offload: str | None = None, keep=(), recompute=(), time_limit_s: float = DEFAULT_TIME_LIMIT_S):
+def plan_model(
+    spec: str,
+    config: TrainConfig,
+    budget_bytes: int | str,
+    *,
+    strategy: str = "optimal",
+    offload: str | None = None,
+    keep=(),
+    recompute=(),
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+):
     """Trace, compare the baseline strategies and solve: (plan, comparison rows, no-plan peak).
     `budget_bytes` may be a percentage of the no-plan peak ('60%')."""
     graph = trace_for(spec, config)
@@ -110,8 +135,16 @@ def plan_model(spec: str, config: TrainConfig, budget_bytes: int | str, *, strat
         budget_bytes = parse_budget(budget_bytes, simulate(graph, config).peak_bytes)
     if not graph.regions:
         _check_without_blocks(graph, config, budget_bytes)
-    plan = solve(graph, config, budget_bytes, strategy=strategy, offload=offload, keep=keep,
-                 recompute=recompute, time_limit_s=time_limit_s)
+    plan = solve(
+        graph,
+        config,
+        budget_bytes,
+        strategy=strategy,
+        offload=offload,
+        keep=keep,
+        recompute=recompute,
+        time_limit_s=time_limit_s,
+    )
     rows = compare_strategies(graph, config, budget_bytes)
     return plan, rows, plan.predicted.baseline_peak_bytes
 
@@ -148,10 +181,12 @@ def check_plan_for_spec(spec: str, config: TrainConfig, plan_path: str) -> str:
         check_plan_matches(p, model)
         dry_run(resolve_spec(spec), config.with_(seq_len=int(p.config["seq_len"])), p)
         kinds = Counter(d.action if d.op is None else f"{d.action} op" for d in p.decisions)
-        lines.append(f"seq {p.config['seq_len']}: {p.strategy} plan matches {spec}; "
-                     + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
-                     + f"; predicted peak {format_bytes(p.predicted.peak_bytes)}, overhead "
-                     f"{p.predicted.overhead * 100:.1f}%")
+        lines.append(
+            f"seq {p.config['seq_len']}: {p.strategy} plan matches {spec}; "
+            + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
+            + f"; predicted peak {format_bytes(p.predicted.peak_bytes)}, overhead "
+            f"{p.predicted.overhead * 100:.1f}%"
+        )
     lines.append("apply it in your training script with: handle = planner.apply_plan(model, 'PLAN.json')")
     return "\n".join(lines)
 
@@ -162,8 +197,9 @@ def _simulate_dict(args: tuple[str, TrainConfig, str | None]) -> dict:
     return simulate_model(spec, config, plan).to_dict()
 
 
-def simulate_sweep(spec: str, configs: list[TrainConfig], plan: str | None = None,
-                   workers: int | None = None) -> list[dict]:
+def simulate_sweep(
+    spec: str, configs: list[TrainConfig], plan: str | None = None, workers: int | None = None
+) -> list[dict]:
     """Simulate several configs (a sequence-length sweep), tracing them in parallel processes."""
     workers = min(len(configs), workers or os.cpu_count() or 1)
     jobs = [(spec, c, plan) for c in configs]

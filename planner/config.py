@@ -49,9 +49,14 @@ class TrainConfig:
         get_precision(self.precision)
         check_optimizer(self.optimizer)
         get_device(self.gpu)
-        if isinstance(self.moe_imbalance, bool) or not isinstance(self.moe_imbalance, (int, float)) \
-                or not self.moe_imbalance >= 1.0:
-            raise ValueError(f"MoE imbalance must be a number >= 1.0 (1.0: balanced routing), got {self.moe_imbalance!r}")
+        if (
+            isinstance(self.moe_imbalance, bool)
+            or not isinstance(self.moe_imbalance, (int, float))
+            or not self.moe_imbalance >= 1.0
+        ):
+            raise ValueError(
+                f"MoE imbalance must be a number >= 1.0 (1.0: balanced routing), got {self.moe_imbalance!r}"
+            )
         object.__setattr__(self, "blocks", tuple(self.blocks))
         self._check_fsdp()
 
@@ -62,16 +67,20 @@ class TrainConfig:
             raise ValueError(f"reshard after forward must be true, false or a divisor of dp {self.dp}, got {raf!r}")
         for name in ("mp_param_dtype", "mp_reduce_dtype"):
             if getattr(self, name) not in (None, *MP_DTYPES):
-                raise ValueError(f"{name.replace('_', ' ')} must be one of {', '.join(MP_DTYPES)}, "
-                                 f"got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"{name.replace('_', ' ')} must be one of {', '.join(MP_DTYPES)}, got {getattr(self, name)!r}"
+                )
         if self.zero_stage < 3 and (raf is not True or self.mp_param_dtype or self.mp_reduce_dtype or self.cpu_offload):
-            raise ValueError("reshard after forward, mixed precision dtypes and CPU offload are FSDP2 options; "
-                             "add --zero 3")
+            raise ValueError(
+                "reshard after forward, mixed precision dtypes and CPU offload are FSDP2 options; add --zero 3"
+            )
         if self.mp_param_dtype not in (None, "float32"):
             preset = MP_DTYPES[self.mp_param_dtype]
             if self.precision not in ("fp32", preset):
-                raise ValueError(f"mp param dtype {self.mp_param_dtype} contradicts precision {self.precision}; "
-                                 f"use precision {preset} or fp32")
+                raise ValueError(
+                    f"mp param dtype {self.mp_param_dtype} contradicts precision {self.precision}; "
+                    f"use precision {preset} or fp32"
+                )
             object.__setattr__(self, "precision", preset)
 
     def with_(self, **changes) -> TrainConfig:
@@ -80,8 +89,14 @@ class TrainConfig:
     def to_dict(self) -> dict:
         """Every field; the trace options only when set, so other plans stay as they were."""
         d = asdict(self)
-        for name, default in (("moe_imbalance", 1.0), ("blocks", ()), ("reshard_after_forward", True),
-                              ("mp_param_dtype", None), ("mp_reduce_dtype", None), ("cpu_offload", False)):
+        for name, default in (
+            ("moe_imbalance", 1.0),
+            ("blocks", ()),
+            ("reshard_after_forward", True),
+            ("mp_param_dtype", None),
+            ("mp_reduce_dtype", None),
+            ("cpu_offload", False),
+        ):
             if d[name] == default:
                 del d[name]
         if "blocks" in d:

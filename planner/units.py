@@ -8,8 +8,18 @@ __all__ = ["format_bytes", "format_count", "parse_bytes"]
 
 MAX_BYTES = 2**63
 """Sizes at or above this are refused (plans store int64 bytes)."""
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def format_bytes(n: float) -> str:
@@ -36,8 +46,10 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else None
     if not m or unit not in _UNITS:
-        raise ValueError(f"cannot read size '{text}'; write a number with a unit, e.g. 40GiB, 80GB, "
-                         "512MiB or 123456789B (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+        raise ValueError(
+            f"cannot read size '{text}'; write a number with a unit, e.g. 40GiB, 80GB, "
+            "512MiB or 123456789B (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
     if len(m.group(1)) > 24 or float(m.group(1)) * _UNITS[unit] >= MAX_BYTES:
         raise ValueError(f"size '{str(text).strip()[:40]}' is too large; sizes go up to 8 EiB (2**63 bytes)")
     value = int(float(m.group(1)) * _UNITS[unit])

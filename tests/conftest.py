@@ -25,7 +25,7 @@ def traced():
     return cached_trace
 
 
-BAD_MODELS = textwrap.dedent('''
+BAD_MODELS = textwrap.dedent("""
     import torch
     from torch import nn
 
@@ -77,7 +77,7 @@ BAD_MODELS = textwrap.dedent('''
 
     def good_model(batch_size, seq_len):
         return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)), (torch.randn(batch_size, seq_len, 8),)
-''')
+""")
 
 
 @pytest.fixture

@@ -12,7 +12,9 @@ from planner.solver.cpsat import _problem
 from planner.tracing.graph import OpGraph
 
 
-def exhaustive_solve(graph: OpGraph, config: TrainConfig, budget_bytes: int, offload: str | None = None) -> tuple[float, list[str]] | None:
+def exhaustive_solve(
+    graph: OpGraph, config: TrainConfig, budget_bytes: int, offload: str | None = None
+) -> tuple[float, list[str]] | None:
     """Brute force over every combination of block options (tests only: exponential)."""
     times = op_times(graph, get_device(config.gpu))
     p = _problem(graph, config, offload, set(), set(), times)

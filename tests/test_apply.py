@@ -44,8 +44,15 @@ def build(spec: str, seq_len: int = SEQ, seed: int = 0) -> tuple[nn.Module, Any]
 
 
 def make_plan(info: ModelInfo, decisions: tuple[Decision, ...], seq_len: int = SEQ) -> Plan:
-    config = {"batch_size": BATCH, "seq_len": seq_len, "precision": "fp32", "optimizer": "adamw",
-              "zero_stage": 0, "dp": 1, "gpu": "cpu"}
+    config = {
+        "batch_size": BATCH,
+        "seq_len": seq_len,
+        "precision": "fp32",
+        "optimizer": "adamw",
+        "zero_stage": 0,
+        "dp": 1,
+        "gpu": "cpu",
+    }
     return Plan(info, config, 0, "test", decisions, PREDICTED, SOLVER)
 
 
@@ -59,8 +66,7 @@ def offload_all(model: nn.Module, spec: str, target: str) -> Plan:
     return make_plan(model_info(model, spec), decisions)
 
 
-def step(model: nn.Module, inputs: Any,
-         owner: nn.Module | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def step(model: nn.Module, inputs: Any, owner: nn.Module | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss and gradients (of `owner`'s parameters, default the model's) of one forward + backward."""
     owner = model if owner is None else owner
     owner.zero_grad(set_to_none=True)
@@ -85,8 +91,10 @@ class OpCounter(TorchDispatchMode):
         self.keys: list[str] = []
         self.inside = module is None
         if module is not None:
-            self._hooks = [module.register_forward_pre_hook(lambda *_: self._set(True)),
-                           module.register_forward_hook(lambda *_: self._set(False))]
+            self._hooks = [
+                module.register_forward_pre_hook(lambda *_: self._set(True)),
+                module.register_forward_hook(lambda *_: self._set(False)),
+            ]
 
     def _set(self, value: bool) -> None:
         self.inside = value
@@ -151,8 +159,11 @@ def test_selective_recompute_same_gradients_and_keeps_ops(spec: str) -> None:
         step(model, inputs)
         full_count = backward_counts(model, inputs)[name]
     # a one-op block (resnet's stem conv) saves only its inputs, so backward never re-runs it
-    keeps = tuple(Decision(p, "keep", op=kept) for p in paths
-                  if kept in (keys := forward_op_keys(model, inputs, p)) and len(keys) > 1)
+    keeps = tuple(
+        Decision(p, "keep", op=kept)
+        for p in paths
+        if kept in (keys := forward_op_keys(model, inputs, p)) and len(keys) > 1
+    )
     selective = make_plan(full.model, full.decisions + keeps)
     with apply_plan(model, selective):
         assert_same_step(step(model, inputs), want)
@@ -230,9 +241,15 @@ def test_plain_sequential_recompute_and_offload_from_file(tmp_path: Path) -> Non
     x = torch.randn(3, 5, 4)
     want = step(make(), (x,))
     model = make()
-    plan = make_plan(model_info(model, "seq"), (
-        Decision("0", "recompute"), Decision("1", "offload", target="disk"),
-        Decision("2", "recompute"), Decision("2", "keep", op="aten.addmm.default#0")))
+    plan = make_plan(
+        model_info(model, "seq"),
+        (
+            Decision("0", "recompute"),
+            Decision("1", "offload", target="disk"),
+            Decision("2", "recompute"),
+            Decision("2", "keep", op="aten.addmm.default#0"),
+        ),
+    )
     path = tmp_path / "plan.json"
     plan.save(path)
     with apply_plan(model, str(path)):
@@ -311,8 +328,10 @@ def test_ladder_picks_bucket_by_sequence_length() -> None:
         full_mm = backward_counts(model, full)[mm]
         assert (handle.active_seq_len, handle.active_bucket) == (32, 32)
         _, long = build(spec, 48)
-        with pytest.warns(UserWarning, match="batch sequence length 48 is longer than the "
-                                             "ladder's longest bucket 32; using that bucket's plan"):
+        with pytest.warns(
+            UserWarning,
+            match="batch sequence length 48 is longer than the ladder's longest bucket 32; using that bucket's plan",
+        ):
             long_mm = backward_counts(model, long)[mm]
         assert (handle.active_seq_len, handle.active_bucket) == (48, 32)
     plain, _ = build(spec)

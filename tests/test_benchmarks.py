@@ -12,7 +12,12 @@ def test_benchmarks_quick_subset(tmp_path):
     assert rc == 0, results["failures"]
     assert {"accuracy", "quality", "solver"} <= set(results)
     acc = results["accuracy"]
-    assert len(acc) == 4 and all(r.get("budget_fraction", 0) < 1.0 for r in acc) and {r["size"] for r in acc} == {"tiny", "small"} and {r["plan"] for r in acc} == {"none", "optimal"}
+    assert (
+        len(acc) == 4
+        and all(r.get("budget_fraction", 0) < 1.0 for r in acc)
+        and {r["size"] for r in acc} == {"tiny", "small"}
+        and {r["plan"] for r in acc} == {"none", "optimal"}
+    )
     for r in acc:
         assert {"model", "predicted_bytes", "measured_bytes", "error"} <= set(r)
         assert r["model"] == "mlp" and r["measured_bytes"] > 0
@@ -33,8 +38,19 @@ def test_measured_time_quick(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert rc == 0, results["failures"]
     rows = {r["strategy"]: r for r in results["measured"]}
-    assert set(rows) == {"none", "full", "every-2", "op-sac", "op-sac-alt", "megatron-selective", "memplan 30%",
-                         "memplan 50%", "memplan 70%", "compile-budget 0.5", "memplan compiled @0.5"}
+    assert set(rows) == {
+        "none",
+        "full",
+        "every-2",
+        "op-sac",
+        "op-sac-alt",
+        "megatron-selective",
+        "memplan 30%",
+        "memplan 50%",
+        "memplan 70%",
+        "compile-budget 0.5",
+        "memplan compiled @0.5",
+    }
     measured = [r for r in rows.values() if "failure" not in r]
     assert {"none", "full", "op-sac", "memplan 70%", "compile-budget 0.5"} <= {r["strategy"] for r in measured}
     for r in measured:

@@ -7,16 +7,34 @@ import json
 from cli_helpers import assert_user_error, run
 
 SNAPSHOTS = "tests/data/snapshots"
-OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which "
-       "1.23 GiB is free. Including non-PyTorch memory, this process has 77.90 GiB memory in use. Of the "
-       "allocated memory 74.50 GiB is allocated by PyTorch, and 2.40 GiB is reserved by PyTorch but unallocated.")
+OOM = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which "
+    "1.23 GiB is free. Including non-PyTorch memory, this process has 77.90 GiB memory in use. Of the "
+    "allocated memory 74.50 GiB is allocated by PyTorch, and 2.40 GiB is reserved by PyTorch but unallocated."
+)
 
 
 def test_diagnose_model_prints_verdict_and_remedies(tmp_path, capsys):
     p = tmp_path / "d.json"
     # gpt2-tiny with 32768 x 128 tokens overflows an A100 40GB in activations only (cheap to trace).
-    code, out, err = run(["diagnose", "--model", "gpt2-tiny", "--gpu", "a100-40gb", "--batch-size", "32768",
-                          "--seq-len", "128", "--time-limit", "5", "--json", str(p)], capsys)
+    code, out, err = run(
+        [
+            "diagnose",
+            "--model",
+            "gpt2-tiny",
+            "--gpu",
+            "a100-40gb",
+            "--batch-size",
+            "32768",
+            "--seq-len",
+            "128",
+            "--time-limit",
+            "5",
+            "--json",
+            str(p),
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert "verdict: oom-iteration" in out and "remedies" in out and "checkpoint plan" in out
     assert "new peak" in out and "time cost" in out
@@ -60,8 +78,26 @@ def test_diagnose_bad_inputs_are_one_line_errors(tmp_path, capsys):
 
 def test_fit_prints_gpu_counts_and_json(tmp_path, capsys):
     p = tmp_path / "f.json"
-    code, out, err = run(["fit", "--model", "gpt2-tiny", "--gpu", "a100-40gb", "--batch-size", "32768",
-                          "--seq-len", "128", "--max-gpus", "8", "--time-limit", "5", "--json", str(p)], capsys)
+    code, out, err = run(
+        [
+            "fit",
+            "--model",
+            "gpt2-tiny",
+            "--gpu",
+            "a100-40gb",
+            "--batch-size",
+            "32768",
+            "--seq-len",
+            "128",
+            "--max-gpus",
+            "8",
+            "--time-limit",
+            "5",
+            "--json",
+            str(p),
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert "without a plan" in out and "with the best plan" in out
     d = json.loads(p.read_text())
@@ -75,8 +111,24 @@ def test_fit_prints_gpu_counts_and_json(tmp_path, capsys):
 
 def test_fit_largest_on_n_gpus(tmp_path, capsys):
     p = tmp_path / "l.json"
-    code, out, err = run(["fit", "--model", "gpt2-tiny", "--gpu", "h100-80gb", "--seq-len", "64", "--batch-size",
-                          "512", "--gpus", "2", "--json", str(p)], capsys)
+    code, out, err = run(
+        [
+            "fit",
+            "--model",
+            "gpt2-tiny",
+            "--gpu",
+            "h100-80gb",
+            "--seq-len",
+            "64",
+            "--batch-size",
+            "512",
+            "--gpus",
+            "2",
+            "--json",
+            str(p),
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert "largest batch size" in out and "largest seq len" in out
     d = json.loads(p.read_text())

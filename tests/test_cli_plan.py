@@ -47,8 +47,9 @@ def plan_file(tmp_path_factory):
 def test_plan_writes_a_loadable_plan_and_prints_the_table(tmp_path, capsys):
     out_path, json_path = tmp_path / "plan.json", tmp_path / "plan-copy.json"
     budget = mid_budget()
-    code, out, err = run(["plan", *ARGS, "--budget", f"{budget}B", "--out", str(out_path),
-                          "--json", str(json_path)], capsys)
+    code, out, err = run(
+        ["plan", *ARGS, "--budget", f"{budget}B", "--out", str(out_path), "--json", str(json_path)], capsys
+    )
     assert code == 0, err
     plan = load_plan(out_path)
     assert isinstance(plan, Plan)
@@ -60,7 +61,7 @@ def test_plan_writes_a_loadable_plan_and_prints_the_table(tmp_path, capsys):
     assert {r["strategy"] for r in report["strategies"]["64"]} >= set(BASELINES)
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:4] == ["strategy", "peak", "overhead", "fits"])
-    table = lines[header + 2:header + 2 + len(BASELINES) + 1]
+    table = lines[header + 2 : header + 2 + len(BASELINES) + 1]
     assert [row.split()[0] for row in table] == list(BASELINES) + ["optimal"]
     assert "(chosen)" in table[-1]
     fits = {row.split()[0]: row.split()[-1] for row in table}
@@ -71,8 +72,7 @@ def test_plan_writes_a_loadable_plan_and_prints_the_table(tmp_path, capsys):
 
 def test_plan_baseline_strategy(tmp_path, capsys):
     out_path = tmp_path / "plan.json"
-    code, out, err = run(["plan", *ARGS, "--budget", "1GiB", "--strategy", "every-2", "--out", str(out_path)],
-                         capsys)
+    code, out, err = run(["plan", *ARGS, "--budget", "1GiB", "--strategy", "every-2", "--out", str(out_path)], capsys)
     assert code == 0, err
     plan = load_plan(out_path)
     assert plan.strategy == "every-2" and plan.recompute_modules() == ("h.0", "h.2")
@@ -81,8 +81,25 @@ def test_plan_baseline_strategy(tmp_path, capsys):
 
 def test_plan_offload_disk_keep_and_recompute(tmp_path, capsys):
     out_path = tmp_path / "plan.json"
-    code, out, err = run(["plan", *ARGS, "--budget", f"{mid_budget()}B", "--offload", "disk", "--keep", "h.0",
-                          "--recompute", "h.3", "--time-limit", "5", "--out", str(out_path)], capsys)
+    code, out, err = run(
+        [
+            "plan",
+            *ARGS,
+            "--budget",
+            f"{mid_budget()}B",
+            "--offload",
+            "disk",
+            "--keep",
+            "h.0",
+            "--recompute",
+            "h.3",
+            "--time-limit",
+            "5",
+            "--out",
+            str(out_path),
+        ],
+        capsys,
+    )
     assert code == 0, err
     plan = load_plan(out_path)
     assert not any(d.module == "h.0" or d.module.startswith("h.0.") for d in plan.decisions)
@@ -98,15 +115,17 @@ def test_plan_infeasible_budget(tmp_path, capsys):
 
 
 def test_plan_infeasible_baseline_strategy(tmp_path, capsys):
-    code, out, err = run(["plan", *ARGS, "--budget", f"{mid_budget()}B", "--strategy", "none",
-                          "--out", str(tmp_path / "p.json")], capsys)
+    code, out, err = run(
+        ["plan", *ARGS, "--budget", f"{mid_budget()}B", "--strategy", "none", "--out", str(tmp_path / "p.json")], capsys
+    )
     assert_user_error(code, err, "plan", "strategy 'none' peaks at", "--strategy optimal")
 
 
 @pytest.mark.parametrize("strategy", ["fastest", "every-0", "every-x"])
 def test_plan_unknown_strategy(strategy, tmp_path, capsys):
-    code, out, err = run(["plan", *ARGS, "--budget", "1GiB", "--strategy", strategy,
-                          "--out", str(tmp_path / "p.json")], capsys)
+    code, out, err = run(
+        ["plan", *ARGS, "--budget", "1GiB", "--strategy", strategy, "--out", str(tmp_path / "p.json")], capsys
+    )
     needles = ["every-2"]
     if strategy == "fastest":
         needles = ["optimal, none, full, every-N", "sqrt, op-sac, op-sac-alt, megatron-selective"]
@@ -123,22 +142,38 @@ def test_plan_unparsable_budget(budget, tmp_path, capsys):
 
 
 def test_plan_keep_glob_matching_nothing(tmp_path, capsys):
-    code, out, err = run(["plan", *ARGS, "--budget", "1GiB", "--keep", "layers.*", "--out", str(tmp_path / "p.json")],
-                         capsys)
+    code, out, err = run(
+        ["plan", *ARGS, "--budget", "1GiB", "--keep", "layers.*", "--out", str(tmp_path / "p.json")], capsys
+    )
     assert_user_error(code, err, "plan", "--keep 'layers.*' matches no checkpointable module", "h.0, h.1, h.2, h.3")
 
 
 def test_plan_unknown_offload_target(tmp_path, capsys):
-    code, out, err = run(["plan", *ARGS, "--budget", "1GiB", "--offload", "tape", "--out", str(tmp_path / "p.json")],
-                         capsys)
+    code, out, err = run(
+        ["plan", *ARGS, "--budget", "1GiB", "--offload", "tape", "--out", str(tmp_path / "p.json")], capsys
+    )
     assert_user_error(code, err, "plan", "none, cpu, disk")
 
 
 def test_plan_ladder(tmp_path, capsys):
     out_path = tmp_path / "ladder.json"
     budget = max(mid_budget(32), mid_budget(64))
-    code, out, err = run(["plan", "--model", GPT, "--batch-size", "2", "--seq-len", "32,64",
-                          "--budget", f"{budget}B", "--out", str(out_path)], capsys)
+    code, out, err = run(
+        [
+            "plan",
+            "--model",
+            GPT,
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "32,64",
+            "--budget",
+            f"{budget}B",
+            "--out",
+            str(out_path),
+        ],
+        capsys,
+    )
     assert code == 0, err
     ladder = load_plan(out_path)
     assert isinstance(ladder, PlanLadder)
@@ -158,8 +193,9 @@ def test_apply_matching_plan(plan_file, capsys):
 
 
 def test_apply_plan_for_a_different_model(plan_file, capsys):
-    code, out, err = run(["apply", "--model", LLAMA, "--batch-size", "2", "--seq-len", "64",
-                          "--plan", str(plan_file)], capsys)
+    code, out, err = run(
+        ["apply", "--model", LLAMA, "--batch-size", "2", "--seq-len", "64", "--plan", str(plan_file)], capsys
+    )
     assert_user_error(code, err, "apply", "different model")
 
 
@@ -207,8 +243,9 @@ def test_apply_with_a_wrong_version_plan(plan_file, tmp_path, capsys):
 
 
 def test_non_positive_time_limit_is_a_one_line_error(tmp_path, capsys):
-    code, _, err = run(["plan", *ARGS, "--budget", "1GiB", "--time-limit", "-1", "--out", str(tmp_path / "p.json")],
-                       capsys)
+    code, _, err = run(
+        ["plan", *ARGS, "--budget", "1GiB", "--time-limit", "-1", "--out", str(tmp_path / "p.json")], capsys
+    )
     assert_user_error(code, err, "plan", "--time-limit")
 
 

@@ -17,8 +17,17 @@ def test_simulate_json(tmp_path, capsys):
     assert code == 0, err
     assert "peak" in out and f"wrote {p}" in out
     d = json.loads(p.read_text())
-    for key in ("peak_bytes", "peak_phase", "peak_op", "peak_module", "breakdown_at_peak", "model_states",
-                "num_parameters", "timeline", "config"):
+    for key in (
+        "peak_bytes",
+        "peak_phase",
+        "peak_op",
+        "peak_module",
+        "breakdown_at_peak",
+        "model_states",
+        "num_parameters",
+        "timeline",
+        "config",
+    ):
         assert key in d, key
     assert set(d["breakdown_at_peak"]) == set(CATEGORIES)
     assert sum(d["breakdown_at_peak"].values()) == d["peak_bytes"]
@@ -32,13 +41,42 @@ def test_simulate_json(tmp_path, capsys):
 
 def test_simulate_options_reach_config(tmp_path, capsys):
     p = tmp_path / "out.json"
-    code, _, err = run(["simulate", "--model", "gpt2-tiny", "--seq-len", "16", "--batch-size", "3", "--gpu", "h100-80gb",
-                        "--precision", "bf16-mixed", "--optimizer", "sgd", "--zero", "2", "--dp", "4",
-                        "--json", str(p)], capsys)
+    code, _, err = run(
+        [
+            "simulate",
+            "--model",
+            "gpt2-tiny",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "3",
+            "--gpu",
+            "h100-80gb",
+            "--precision",
+            "bf16-mixed",
+            "--optimizer",
+            "sgd",
+            "--zero",
+            "2",
+            "--dp",
+            "4",
+            "--json",
+            str(p),
+        ],
+        capsys,
+    )
     assert code == 0, err
     cfg = json.loads(p.read_text())["config"]
-    assert cfg == {"batch_size": 3, "seq_len": 16, "precision": "bf16-mixed", "optimizer": "sgd", "zero_stage": 2,
-                   "dp": 4, "gpu": "h100-80gb", "model": "gpt2-tiny"}
+    assert cfg == {
+        "batch_size": 3,
+        "seq_len": 16,
+        "precision": "bf16-mixed",
+        "optimizer": "sgd",
+        "zero_stage": 2,
+        "dp": 4,
+        "gpu": "h100-80gb",
+        "model": "gpt2-tiny",
+    }
 
 
 def test_simulate_sweep(tmp_path, capsys):
@@ -58,8 +96,9 @@ def test_simulate_sweep(tmp_path, capsys):
 
 def test_sweep_on_a_gpu(tmp_path, capsys):
     p = tmp_path / "sweep.json"
-    code, out, err = run(["simulate", "--model", "mlp-tiny", "--seq-len", "8,16", "--gpu", "h100-80gb",
-                          "--json", str(p)], capsys)
+    code, out, err = run(
+        ["simulate", "--model", "mlp-tiny", "--seq-len", "8,16", "--gpu", "h100-80gb", "--json", str(p)], capsys
+    )
     assert code == 0, err
     assert json.loads(p.read_text())["longest_fitting_seq_len"] == 16
 
@@ -148,8 +187,9 @@ def test_file_model_simulates(tmp_path, capsys, bad_models):
 
 def test_pure_bf16_simulates(tmp_path, capsys):
     p = tmp_path / "out.json"
-    code, _, err = run(["simulate", "--model", "llama-7b-tiny", "--seq-len", "16", "--precision", "bf16",
-                        "--json", str(p)], capsys)
+    code, _, err = run(
+        ["simulate", "--model", "llama-7b-tiny", "--seq-len", "16", "--precision", "bf16", "--json", str(p)], capsys
+    )
     assert code == 0, err
     assert json.loads(p.read_text())["model_states"]["parameter"] == 2 * 461440
 

@@ -35,8 +35,7 @@ def test_slow_links_bound_the_step():
 def test_no_reshard_gathers_once():
     blocks = [BlockTimes(1.0, 2.0, 0.5, 0.5)] * 3
     resharded = fsdp_schedule(blocks, root=NO_ROOT, head_forward_s=0.0, head_backward_s=0.0)
-    kept = fsdp_schedule(blocks, root=NO_ROOT, head_forward_s=0.0, head_backward_s=0.0,
-                         reshard_after_forward=False)
+    kept = fsdp_schedule(blocks, root=NO_ROOT, head_forward_s=0.0, head_backward_s=0.0, reshard_after_forward=False)
     assert kept.communication_s == pytest.approx(resharded.communication_s - 3 * 0.5)
     assert kept.exposed_communication_s <= resharded.exposed_communication_s
 

@@ -58,8 +58,9 @@ def test_a_row_is_the_simulated_step():
     config = CONFIG.with_(zero_stage=3, dp=4)
     timeline = simulate(graph(2), config)
     report = cheapest_configuration(graph, CONFIG, BUDGET, max_gpus=4, time_limit_s=2.0, micro_batches=0)
-    row = next(c for c in report.configurations if c.gpus == 4 and not c.plan and not c.cpu_offload
-               and c.optimizer == "adamw")
+    row = next(
+        c for c in report.configurations if c.gpus == 4 and not c.plan and not c.cpu_offload and c.optimizer == "adamw"
+    )
     assert row.peak_bytes == timeline.peak_bytes
     assert row.step_s == pytest.approx(timeline.costs.step_s)
 
@@ -68,8 +69,9 @@ def test_host_offload_time_counts_copies_and_the_host_step():
     config = CONFIG.with_(zero_stage=3, dp=8, cpu_offload=True)
     states = simulate(graph(2), config.with_(cpu_offload=False)).model_states  # what the host keeps
     device = get_device(config.gpu)
-    expected = ((2 * states["parameter"] + states["gradient"]) / device.host_link_bytes_per_s
-                + 2 * sum(states.values()) / 50e9)
+    expected = (2 * states["parameter"] + states["gradient"]) / device.host_link_bytes_per_s + 2 * sum(
+        states.values()
+    ) / 50e9
     assert host_offload_s(graph(2), config) == pytest.approx(expected)
     assert simulate(graph(2), config).model_states == {"parameter": 0, "gradient": 0, "optimizer": 0}
 
@@ -78,7 +80,14 @@ def test_gpu_counts_are_the_smallest_that_fit(report):
     """The first count of each combination fits and one fewer GPU does not (checked with full recompute)."""
     for c in report.configurations:
         if c.fits and c.gpus > 1 and c.gpus & (c.gpus - 1):  # not a power of two: found by bisection
-            smaller = simulate(graph(c.micro_batch), CONFIG.with_(batch_size=c.micro_batch, zero_stage=3,
-                                                                     dp=c.gpus - 1, optimizer=c.optimizer,
-                                                                     cpu_offload=c.cpu_offload))
+            smaller = simulate(
+                graph(c.micro_batch),
+                CONFIG.with_(
+                    batch_size=c.micro_batch,
+                    zero_stage=3,
+                    dp=c.gpus - 1,
+                    optimizer=c.optimizer,
+                    cpu_offload=c.cpu_offload,
+                ),
+            )
             assert smaller.peak_bytes > BUDGET or c.plan

@@ -31,7 +31,9 @@ class LiveStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        inputs = {
+            a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)
+        }
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 s = t.untyped_storage()
@@ -138,7 +140,11 @@ def test_precisions_and_names():
     assert set(PRECISIONS) == {"fp32", "bf16", "bf16-mixed", "fp16-mixed"}
     assert get_precision("fp16-mixed").autocast_dtype is torch.float16
     assert get_precision("bf16").param_dtype is torch.bfloat16 and get_precision("bf16").autocast_dtype is None
-    assert get_precision("bf16-mixed").to_dict() == {"name": "bf16-mixed", "param_dtype": "float32", "autocast_dtype": "bfloat16"}
+    assert get_precision("bf16-mixed").to_dict() == {
+        "name": "bf16-mixed",
+        "param_dtype": "float32",
+        "autocast_dtype": "bfloat16",
+    }
     with pytest.raises(ValueError, match="choose one of: fp32, bf16"):
         get_precision("fp8")
     assert OPTIMIZERS == ("adamw", "adamw-8bit", "sgd", "adafactor", "none")

@@ -55,8 +55,14 @@ def test_oom_iteration_names_the_peak_and_the_longest_fitting_sequence(oom_itera
 def test_remedies_are_simulated_and_ranked(oom_iteration: Diagnosis) -> None:
     remedies = oom_iteration.remedies
     names = {r.name for r in remedies}
-    assert {"mixed precision", "8-bit optimizer", "ZeRO-3 / FSDP", "checkpoint plan", "offload plan",
-            "gradient accumulation"} <= names
+    assert {
+        "mixed precision",
+        "8-bit optimizer",
+        "ZeRO-3 / FSDP",
+        "checkpoint plan",
+        "offload plan",
+        "gradient accumulation",
+    } <= names
     for r in remedies:
         assert r.peak_bytes > 0 and r.fits == (r.peak_bytes <= A100)
         assert r.peak_bytes != oom_iteration.peak_bytes or not r.fits
@@ -114,9 +120,11 @@ def test_verdict_names() -> None:
 def test_snapshot_and_oom_message_wrappers() -> None:
     report = diagnose_snapshot("tests/data/snapshots/current_small.pickle")
     assert report.reserved_bytes > 0
-    text = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which "
-            "1.23 GiB is free. Including non-PyTorch memory, this process has 77.90 GiB memory in use. Of the "
-            "allocated memory 74.50 GiB is allocated by PyTorch, and 2.40 GiB is reserved by PyTorch but unallocated.")
+    text = (
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which "
+        "1.23 GiB is free. Including non-PyTorch memory, this process has 77.90 GiB memory in use. Of the "
+        "allocated memory 74.50 GiB is allocated by PyTorch, and 2.40 GiB is reserved by PyTorch but unallocated."
+    )
     explained = diagnose_oom_message(text)
     assert explained.requested_bytes == 2 * 2**30
     with pytest.raises(ValueError):

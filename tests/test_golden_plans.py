@@ -24,8 +24,13 @@ CASES = {
     "dense-llama": (f"{PATH}:llama_small", TrainConfig(batch_size=4, seq_len=256), 0.6, "optimal", None),
     "selective-gpt": (f"{PATH}:gpt_small", TrainConfig(batch_size=4, seq_len=256), 0.8, "optimal", None),
     "offload-disk": (f"{PATH}:llama_small", TrainConfig(batch_size=4, seq_len=256), 0.38, "optimal", "disk"),
-    "zero3-llama-7b": ("llama-7b", TrainConfig(batch_size=1, seq_len=4096, precision="bf16-mixed",
-                                                 zero_stage=3, dp=8, gpu="h100-80gb"), 0.5, "optimal", None),
+    "zero3-llama-7b": (
+        "llama-7b",
+        TrainConfig(batch_size=1, seq_len=4096, precision="bf16-mixed", zero_stage=3, dp=8, gpu="h100-80gb"),
+        0.5,
+        "optimal",
+        None,
+    ),
     "flat-sequential": (f"{PATH}:flat_sequential", TrainConfig(batch_size=16, seq_len=128), 0.7, "optimal", None),
 }
 LADDER = ("gpt2-tiny", TrainConfig(batch_size=8, seq_len=128), (32, 64, 128), 0.85)

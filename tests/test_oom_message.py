@@ -159,12 +159,10 @@ def test_ancient_cached_wording() -> None:
 
 def test_wrapped_paste_with_traceback() -> None:
     pasted = (
-        "Traceback (most recent call last):\n  File \"train.py\", line 3, in <module>\n"
+        'Traceback (most recent call last):\n  File "train.py", line 3, in <module>\n'
         + CURRENT_FRAGMENTATION.replace(". ", ".\n   ")
     )
-    assert explain_oom_message(pasted).to_dict() == explain_oom_message(
-        CURRENT_FRAGMENTATION
-    ).to_dict()
+    assert explain_oom_message(pasted).to_dict() == explain_oom_message(CURRENT_FRAGMENTATION).to_dict()
 
 
 def test_hip_message() -> None:

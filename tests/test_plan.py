@@ -30,16 +30,25 @@ from planner.tracing.fingerprint import model_fingerprint
 
 
 def make_model(hidden: int = 8) -> nn.Module:
-    return nn.Sequential(nn.Linear(4, hidden), nn.LayerNorm(hidden), nn.ReLU(),
-                         nn.Sequential(nn.Linear(hidden, 4), nn.LayerNorm(4)))
+    return nn.Sequential(
+        nn.Linear(4, hidden), nn.LayerNorm(hidden), nn.ReLU(), nn.Sequential(nn.Linear(hidden, 4), nn.LayerNorm(4))
+    )
 
 
-CONFIG = {"batch_size": 2, "seq_len": 128, "precision": "bf16", "optimizer": "adamw",
-          "zero_stage": 0, "dp": 1, "gpu": "H100-80GB"}
+CONFIG = {
+    "batch_size": 2,
+    "seq_len": 128,
+    "precision": "bf16",
+    "optimizer": "adamw",
+    "zero_stage": 0,
+    "dp": 1,
+    "gpu": "H100-80GB",
+}
 
 
-def make_plan(seq_len: int = 128, decisions: tuple[Decision, ...] | None = None,
-              model: nn.Module | None = None) -> Plan:
+def make_plan(
+    seq_len: int = 128, decisions: tuple[Decision, ...] | None = None, model: nn.Module | None = None
+) -> Plan:
     if decisions is None:
         decisions = (
             Decision("0", "keep"),
@@ -54,9 +63,16 @@ def make_plan(seq_len: int = 128, decisions: tuple[Decision, ...] | None = None,
         budget_bytes=1 << 30,
         strategy="milp",
         decisions=decisions,
-        predicted=Predicted(peak_bytes=900, baseline_peak_bytes=1200, recompute_flops=10**9,
-                            recompute_s=0.01, offload_bytes=64, exposed_offload_s=0.0,
-                            step_s=0.5, overhead=0.02),
+        predicted=Predicted(
+            peak_bytes=900,
+            baseline_peak_bytes=1200,
+            recompute_flops=10**9,
+            recompute_s=0.01,
+            offload_bytes=64,
+            exposed_offload_s=0.0,
+            step_s=0.5,
+            overhead=0.02,
+        ),
         solver=SolverInfo(status="OPTIMAL", objective=1.5, bound=1.5, gap=0.0, wall_s=0.3),
     )
 
@@ -104,8 +120,7 @@ def test_accessors() -> None:
 
 
 def test_ladder_round_trip_and_plan_for(tmp_path: Path) -> None:
-    ladder = PlanLadder(buckets=((2048, make_plan(2048)), (512, make_plan(512)),
-                                 (1024, make_plan(1024))))
+    ladder = PlanLadder(buckets=((2048, make_plan(2048)), (512, make_plan(512)), (1024, make_plan(1024))))
     assert [s for s, _ in ladder.buckets] == [512, 1024, 2048]
     path = tmp_path / "ladder.json"
     ladder.save(path)
@@ -212,8 +227,9 @@ def test_wrong_schema_version_in_ladder(tmp_path: Path) -> None:
         load_plan(write(tmp_path, d))
 
 
-@pytest.mark.parametrize("field", ["predicted", "solver", "model", "decisions", "budget_bytes",
-                                   "memplan_version", "schema_version"])
+@pytest.mark.parametrize(
+    "field", ["predicted", "solver", "model", "decisions", "budget_bytes", "memplan_version", "schema_version"]
+)
 def test_missing_field(tmp_path: Path, field: str) -> None:
     d = make_plan().to_dict()
     del d[field]
@@ -238,8 +254,9 @@ def test_bad_enum(tmp_path: Path) -> None:
     p = write(tmp_path, d)
     with pytest.raises(ValueError) as ei:
         load_plan(p)
-    assert str(ei.value) == (f"plan file {p} is invalid at decisions/0/action: "
-                             "'maybe' is not one of ['keep', 'recompute', 'offload']")
+    assert str(ei.value) == (
+        f"plan file {p} is invalid at decisions/0/action: 'maybe' is not one of ['keep', 'recompute', 'offload']"
+    )
 
 
 def test_bad_solver_status_and_kind(tmp_path: Path) -> None:
@@ -351,15 +368,24 @@ def test_model_info_counts() -> None:
 def test_check_plan_matches() -> None:
     check_plan_matches(make_plan(), make_model())
     other = nn.Sequential(make_model(), nn.Linear(4, 4))  # every path moves one level down
-    plan = make_plan(decisions=(Decision("0", "keep"), Decision("3", "recompute"),
-                                Decision("9", "keep"), Decision("3.1", "keep"),
-                                Decision("3.0", "keep"), Decision("1", "keep")))
+    plan = make_plan(
+        decisions=(
+            Decision("0", "keep"),
+            Decision("3", "recompute"),
+            Decision("9", "keep"),
+            Decision("3.1", "keep"),
+            Decision("3.0", "keep"),
+            Decision("1", "keep"),
+        )
+    )
     with pytest.raises(ValueError) as ei:
         check_plan_matches(plan, other)
     msg = str(ei.value)
     # "0" and "1" exist in `other`; "3", "9", "3.1", "3.0" do not (first 3 listed)
-    assert msg.startswith("plan was made for a different model: 7 modules vs 9, "
-                          "100 vs 120 parameters, modules not found: 3, 9, 3.1 (+1 more); ")
+    assert msg.startswith(
+        "plan was made for a different model: 7 modules vs 9, "
+        "100 vs 120 parameters, modules not found: 3, 9, 3.1 (+1 more); "
+    )
     assert "re-plan with memplan plan --model tests:make_model" in msg
     assert "\n" not in msg
 
@@ -376,8 +402,15 @@ def test_check_plan_matches_same_counts_different_shapes() -> None:
 def test_check_plan_matches_big_counts() -> None:
     plan = make_plan(decisions=(Decision("layers.7", "recompute"),))
     fake = dataclasses.replace(plan.model, num_parameters=1_200_000)
-    plan = Plan(model=fake, config=plan.config, budget_bytes=1, strategy="milp",
-                decisions=plan.decisions, predicted=plan.predicted, solver=plan.solver)
+    plan = Plan(
+        model=fake,
+        config=plan.config,
+        budget_bytes=1,
+        strategy="milp",
+        decisions=plan.decisions,
+        predicted=plan.predicted,
+        solver=plan.solver,
+    )
     with torch.device("meta"):
         big = nn.Sequential(nn.Linear(1000, 3400))
     with pytest.raises(ValueError) as ei:
@@ -389,9 +422,12 @@ def test_check_plan_matches_big_counts() -> None:
 
 _name = st.text(alphabet="abcdefghij0123456789_", min_size=1, max_size=6)
 _module = st.one_of(st.just(""), st.lists(_name, min_size=1, max_size=4).map(".".join))
-_op = st.builds(lambda ns, n, i: f"aten.{ns}.{n}#{i}",
-                st.sampled_from(["mm", "addmm", "gelu", "native_layer_norm"]),
-                st.sampled_from(["default", "out"]), st.integers(0, 50))
+_op = st.builds(
+    lambda ns, n, i: f"aten.{ns}.{n}#{i}",
+    st.sampled_from(["mm", "addmm", "gelu", "native_layer_norm"]),
+    st.sampled_from(["default", "out"]),
+    st.integers(0, 50),
+)
 
 
 @st.composite
@@ -405,8 +441,7 @@ def decision_lists(draw: st.DrawFn) -> tuple[Decision, ...]:
         if action == "recompute":
             for op in draw(st.lists(_op, unique=True, max_size=4)):
                 a = draw(st.sampled_from(["keep", "offload"]))
-                out.append(Decision(m, a, op, draw(st.sampled_from(["cpu", "disk"]))
-                                    if a == "offload" else None))
+                out.append(Decision(m, a, op, draw(st.sampled_from(["cpu", "disk"])) if a == "offload" else None))
     return tuple(draw(st.permutations(out)))
 
 

@@ -94,8 +94,15 @@ def _offload_all(name):
     choices = [SpanChoice(module_span(graph, r.path), "offload", target="disk") for r in graph.regions]
     timeline = simulate(graph, config, choices=choices)
     base, _, _ = plan_model(spec, config, 10**12, strategy="none")
-    plan = Plan(base.model, base.config, timeline.peak_bytes, "disk-offload-all", decisions_for(graph, choices),
-                base.predicted, base.solver)
+    plan = Plan(
+        base.model,
+        base.config,
+        timeline.peak_bytes,
+        "disk-offload-all",
+        decisions_for(graph, choices),
+        base.predicted,
+        base.solver,
+    )
     return spec, config, graph, timeline, plan
 
 
@@ -109,8 +116,10 @@ def test_disk_offload_lowers_measured_peak_as_predicted(name):
     v = verify_model(spec, config, plan)
     assert v.measured_bytes < 0.85 * no_plan, (v.measured_bytes, no_plan)
     assert timeline.peak_bytes < 0.85 * simulate(graph, config).peak_bytes
-    assert abs(v.measured_bytes - timeline.peak_bytes) <= 0.03 * v.measured_bytes, (v.measured_bytes,
-                                                                                    timeline.peak_bytes)
+    assert abs(v.measured_bytes - timeline.peak_bytes) <= 0.03 * v.measured_bytes, (
+        v.measured_bytes,
+        timeline.peak_bytes,
+    )
     assert_same_grads(spec, config, plan)
 
 
@@ -168,8 +177,7 @@ def test_baseline_plans_keep_gradients(strategy):
 def test_baseline_over_budget_raises():
     spec, config = CONFIGS["gpt2"]
     with pytest.raises(InfeasibleBudget, match="strategy 'none' peaks at"):
-        solve(graph_of("gpt2"), config, int(FRACTION * simulate(graph_of("gpt2"), config).peak_bytes),
-              strategy="none")
+        solve(graph_of("gpt2"), config, int(FRACTION * simulate(graph_of("gpt2"), config).peak_bytes), strategy="none")
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -241,8 +249,11 @@ def test_recompute_glob_recomputes_the_module_itself():
 @pytest.mark.parametrize("flag", ["keep", "recompute"])
 def test_glob_matching_nothing_lists_modules(flag):
     _, config = CONFIGS["gpt2"]
-    with pytest.raises(ValueError, match=rf"--{flag} 'decoder\.\*' matches no checkpointable module; "
-                                         r"they are: h\.0, h\.1, h\.2, h\.3"):
+    with pytest.raises(
+        ValueError,
+        match=rf"--{flag} 'decoder\.\*' matches no checkpointable module; "
+        r"they are: h\.0, h\.1, h\.2, h\.3",
+    ):
         solve(graph_of("gpt2"), config, 10**12, **{flag: ["decoder.*"]})
 
 

@@ -13,7 +13,7 @@ from planner.tracing.blocks import find_region_paths, parse_segment, segment_chi
 from planner.tracing.recorder import loss_of, run_step_inputs
 from planner.tracing.specs import resolve_spec
 
-FLAT = '''
+FLAT = """
 import torch
 from torch import nn
 
@@ -23,7 +23,7 @@ def flat(batch_size, seq_len):
     for _ in range(8):
         layers += [nn.Linear(64, 64), nn.ReLU(inplace=True)]
     return nn.Sequential(*layers, nn.Linear(64, 1)), (torch.randn(batch_size, seq_len, 64),)
-'''
+"""
 
 
 def test_presets_blocks_are_the_layers():
@@ -37,8 +37,9 @@ def test_presets_blocks_are_the_layers():
 
 def test_module_dict_children_are_blocks():
     model = nn.Module()
-    model.blocks = nn.ModuleDict({f"b{i}": nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
-                                  for i in range(3)})
+    model.blocks = nn.ModuleDict(
+        {f"b{i}": nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4)) for i in range(3)}
+    )
     assert find_region_paths(model) == ["blocks.b0", "blocks.b1", "blocks.b2"]
 
 

@@ -107,7 +107,11 @@ def test_model_states_match_costmodel(preset):
     graph = cached_trace(preset, 1, 16, "fp32")
     tl = simulate(graph, config)
     states = model_state_bytes(graph.param_shapes, get_precision("fp32"), "adamw", 1, 4)
-    assert tl.model_states == {"parameter": states.parameter, "gradient": states.gradient, "optimizer": states.optimizer}
+    assert tl.model_states == {
+        "parameter": states.parameter,
+        "gradient": states.gradient,
+        "optimizer": states.optimizer,
+    }
     assert tl.num_parameters == graph.num_parameters
     # the optimizer step adds its temporaries on top of everything resident at the end
     end = dict(zip(CATEGORIES, tl.by_category[-1]))

@@ -43,8 +43,7 @@ TRAIN_FRAMES = [
 ]
 
 
-def block(addr: int, size: int, state: str, requested: int | None = None,
-          frames: list | None = None) -> dict[str, Any]:
+def block(addr: int, size: int, state: str, requested: int | None = None, frames: list | None = None) -> dict[str, Any]:
     return {
         "address": addr,
         "size": size,
@@ -54,8 +53,9 @@ def block(addr: int, size: int, state: str, requested: int | None = None,
     }
 
 
-def segment(addr: int, pool: str, blocks: list[dict[str, Any]], *, device: int = 0,
-            expandable: bool = False) -> dict[str, Any]:
+def segment(
+    addr: int, pool: str, blocks: list[dict[str, Any]], *, device: int = 0, expandable: bool = False
+) -> dict[str, Any]:
     total = sum(b["size"] for b in blocks)
     allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
     active = sum(b["size"] for b in blocks if b["state"] != "inactive")
@@ -76,8 +76,9 @@ def segment(addr: int, pool: str, blocks: list[dict[str, Any]], *, device: int =
     }
 
 
-def current_snapshot(*, expandable: bool = False, max_split: int = -1,
-                     gc: float = 0.0, conf: str = "") -> dict[str, Any]:
+def current_snapshot(
+    *, expandable: bool = False, max_split: int = -1, gc: float = 0.0, conf: str = ""
+) -> dict[str, Any]:
     """Snapshot in the exact torch>=2.1 layout, with hand-chosen sizes.
 
     seg A (large, 20 MiB at 0x7f00_0000_0000):
@@ -89,36 +90,35 @@ def current_snapshot(*, expandable: bool = False, max_split: int = -1,
     seg C (large, 4 MiB): 4 MiB inactive (whole segment cached, not split)
     """
     a, b, c = 0x7F00_0000_0000, 0x7F00_0200_0000, 0x7F00_0400_0000
-    seg_a = segment(a, "large", [
-        block(a, 8 * MiB, "active_allocated", 8_000_000, TRAIN_FRAMES),
-        block(a + 8 * MiB, 4 * MiB, "inactive"),
-        block(a + 12 * MiB, 6 * MiB, "active_allocated",
-              frames=[frame("/home/u/model.py", 50, "backward")]),
-        block(a + 18 * MiB, 2 * MiB, "inactive"),
-    ])
-    seg_b = segment(b, "small", [
-        block(b, 512 * KiB, "active_allocated", 500_000),
-        block(b + 512 * KiB, 512 * KiB, "active_pending_free"),
-        block(b + 1 * MiB, 1 * MiB, "inactive"),
-    ])
+    seg_a = segment(
+        a,
+        "large",
+        [
+            block(a, 8 * MiB, "active_allocated", 8_000_000, TRAIN_FRAMES),
+            block(a + 8 * MiB, 4 * MiB, "inactive"),
+            block(a + 12 * MiB, 6 * MiB, "active_allocated", frames=[frame("/home/u/model.py", 50, "backward")]),
+            block(a + 18 * MiB, 2 * MiB, "inactive"),
+        ],
+    )
+    seg_b = segment(
+        b,
+        "small",
+        [
+            block(b, 512 * KiB, "active_allocated", 500_000),
+            block(b + 512 * KiB, 512 * KiB, "active_pending_free"),
+            block(b + 1 * MiB, 1 * MiB, "inactive"),
+        ],
+    )
     seg_c = segment(c, "large", [block(c, 4 * MiB, "inactive")])
     trace = [
-        {"action": "segment_alloc", "addr": a, "size": 20 * MiB, "stream": 0, "frames": [],
-         "time_us": 1},
-        {"action": "alloc", "addr": a, "size": 8 * MiB, "stream": 0, "frames": TRAIN_FRAMES,
-         "time_us": 2},
-        {"action": "alloc", "addr": a + 12 * MiB, "size": 6 * MiB, "stream": 0, "frames": [],
-         "time_us": 3},
-        {"action": "segment_alloc", "addr": b, "size": 2 * MiB, "stream": 0, "frames": [],
-         "time_us": 4},
-        {"action": "alloc", "addr": b, "size": 512 * KiB, "stream": 0, "frames": [],
-         "time_us": 5},
-        {"action": "free_requested", "addr": b + 512 * KiB, "size": 512 * KiB, "stream": 0,
-         "frames": [], "time_us": 6},
-        {"action": "segment_alloc", "addr": c, "size": 4 * MiB, "stream": 0, "frames": [],
-         "time_us": 7},
-        {"action": "oom", "device_free": 1 * MiB, "size": 8 * MiB, "stream": 0, "frames": [],
-         "time_us": 8},
+        {"action": "segment_alloc", "addr": a, "size": 20 * MiB, "stream": 0, "frames": [], "time_us": 1},
+        {"action": "alloc", "addr": a, "size": 8 * MiB, "stream": 0, "frames": TRAIN_FRAMES, "time_us": 2},
+        {"action": "alloc", "addr": a + 12 * MiB, "size": 6 * MiB, "stream": 0, "frames": [], "time_us": 3},
+        {"action": "segment_alloc", "addr": b, "size": 2 * MiB, "stream": 0, "frames": [], "time_us": 4},
+        {"action": "alloc", "addr": b, "size": 512 * KiB, "stream": 0, "frames": [], "time_us": 5},
+        {"action": "free_requested", "addr": b + 512 * KiB, "size": 512 * KiB, "stream": 0, "frames": [], "time_us": 6},
+        {"action": "segment_alloc", "addr": c, "size": 4 * MiB, "stream": 0, "frames": [], "time_us": 7},
+        {"action": "oom", "device_free": 1 * MiB, "size": 8 * MiB, "stream": 0, "frames": [], "time_us": 8},
     ]
     return {
         "segments": [seg_a, seg_b, seg_c],
@@ -144,21 +144,27 @@ def legacy_snapshot() -> list[dict[str, Any]]:
     one large 2 MiB segment: 1.5 MiB active_allocated (history real_size 1_500_000)
     | 512 KiB inactive
     """
-    return [{
-        "device": 0,
-        "address": 0x7F00_0000_0000,
-        "total_size": 2 * MiB,
-        "allocated_size": 1536 * KiB,
-        "active_size": 1536 * KiB,
-        "stream": 0,
-        "segment_type": "large",
-        "blocks": [
-            {"size": 1536 * KiB, "state": "active_allocated",
-             "history": [{"addr": 0x7F00_0000_0000, "real_size": 1_500_000,
-                          "frames": [frame("/old/model.py", 7, "f")]}]},
-            {"size": 512 * KiB, "state": "inactive", "history": []},
-        ],
-    }]
+    return [
+        {
+            "device": 0,
+            "address": 0x7F00_0000_0000,
+            "total_size": 2 * MiB,
+            "allocated_size": 1536 * KiB,
+            "active_size": 1536 * KiB,
+            "stream": 0,
+            "segment_type": "large",
+            "blocks": [
+                {
+                    "size": 1536 * KiB,
+                    "state": "active_allocated",
+                    "history": [
+                        {"addr": 0x7F00_0000_0000, "real_size": 1_500_000, "frames": [frame("/old/model.py", 7, "f")]}
+                    ],
+                },
+                {"size": 512 * KiB, "state": "inactive", "history": []},
+            ],
+        }
+    ]
 
 
 def write_pickle(tmp_path: Path, name: str, obj: object, protocol: int = 4) -> Path:
@@ -213,8 +219,7 @@ def test_top_allocations_biggest_first_with_python_frames(tmp_path: Path) -> Non
 
 def test_top_allocations_capped_at_ten_and_frames_at_ten() -> None:
     frames = [frame(f"/x/f{i}.py", i, "g") for i in range(15)]
-    blocks = [block(i * MiB, (i + 1) * MiB, "active_allocated", frames=frames)
-              for i in range(12)]
+    blocks = [block(i * MiB, (i + 1) * MiB, "active_allocated", frames=frames) for i in range(12)]
     r = analyze_snapshot({"segments": [segment(0, "large", blocks)]})
     assert len(r.top_allocations) == 10
     assert [a.size // MiB for a in r.top_allocations] == list(range(12, 2, -1))
@@ -260,7 +265,7 @@ def test_settings_read_from_conf_string_when_fields_absent() -> None:
     snap = current_snapshot()
     snap["allocator_settings"] = {
         "PYTORCH_CUDA_ALLOC_CONF": "roundup_power2_divisions:[256:1,512:2],"
-                                   "expandable_segments:True,max_split_size_mb:128"
+        "expandable_segments:True,max_split_size_mb:128"
     }
     r = analyze_snapshot(snap)
     assert r.allocator_settings.expandable_segments is True
@@ -357,16 +362,17 @@ def test_payload_is_live_under_plain_pickle(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("payload_cls", [_WriteMarker, _SystemMarker])
 @pytest.mark.parametrize("protocol", [0, 2, 5])
-def test_hostile_pickle_is_refused_without_running(
-    tmp_path: Path, payload_cls: type, protocol: int
-) -> None:
+def test_hostile_pickle_is_refused_without_running(tmp_path: Path, payload_cls: type, protocol: int) -> None:
     marker = tmp_path / "marker"
     snap = current_snapshot()
     snap["segments"][0]["blocks"][0]["frames"] = [payload_cls(marker)]  # buried deep inside
     path = tmp_path / "evil.pickle"
     path.write_bytes(pickle.dumps(snap, protocol=protocol))
-    with pytest.raises(ValueError, match=r"^refusing to load (builtins|io)\.open|^refusing to load "
-                                         r"(posix|os|nt)\.system"):
+    with pytest.raises(
+        ValueError,
+        match=r"^refusing to load (builtins|io)\.open|^refusing to load "
+        r"(posix|os|nt)\.system",
+    ):
         read_snapshot(path)
     with pytest.raises(ValueError, match="only plain data is allowed"):
         load_snapshot_bytes(path.read_bytes())
@@ -474,19 +480,18 @@ def test_file_checks(tmp_path: Path) -> None:
         (lambda s: s["segments"][0].update(total_size=-1), "segments[0].total_size"),
         (lambda s: s["segments"][0].pop("blocks"), "segments[0] lacks 'blocks'"),
         (lambda s: s["segments"][2]["blocks"][0].update(size=True), "segments[2].blocks[0].size"),
-        (lambda s: s["segments"][0]["blocks"][1].update(state="free"),
-         "segments[0].blocks[1].state"),
-        (lambda s: s["segments"][1]["blocks"][0].update(requested_size=1.5),
-         "segments[1].blocks[0].requested_size"),
+        (lambda s: s["segments"][0]["blocks"][1].update(state="free"), "segments[0].blocks[1].state"),
+        (lambda s: s["segments"][1]["blocks"][0].update(requested_size=1.5), "segments[1].blocks[0].requested_size"),
         (lambda s: s["segments"][0].update(segment_type=3), "segments[0].segment_type"),
         (lambda s: s["segments"][0].update(is_expandable="yes"), "segments[0].is_expandable"),
-        (lambda s: s["segments"][0]["blocks"][0]["frames"][2].update(line="42"),
-         "segments[0].blocks[0].frames[2].line"),
+        (
+            lambda s: s["segments"][0]["blocks"][0]["frames"][2].update(line="42"),
+            "segments[0].blocks[0].frames[2].line",
+        ),
         (lambda s: s.update(device_traces=[{}]), "device_traces[0] must be a list"),
         (lambda s: s["device_traces"][0].append({"size": 1}), "lacks 'action'"),
         (lambda s: s.update(allocator_settings=[]), "allocator_settings must be a dict"),
-        (lambda s: s["allocator_settings"].update(expandable_segments=1),
-         "allocator_settings.expandable_segments"),
+        (lambda s: s["allocator_settings"].update(expandable_segments=1), "allocator_settings.expandable_segments"),
     ],
 )
 def test_wrong_structure_names_the_field(mutate: Any, field: str) -> None:
@@ -498,8 +503,9 @@ def test_wrong_structure_names_the_field(mutate: Any, field: str) -> None:
 
 # --------------------------------------------------------------------------- fuzz
 
-FUZZ = settings(max_examples=300, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 
 
 def _check(fn: Any, arg: object) -> None:
@@ -532,24 +538,56 @@ def test_fuzz_mutated_real_pickle(pos: int, value: int, truncate: bool) -> None:
     _check(load_snapshot_bytes, bytes(raw))
 
 
-_KEYS = st.sampled_from([
-    "segments", "blocks", "size", "state", "total_size", "requested_size", "frames",
-    "history", "real_size", "allocator_settings", "device_traces", "action", "filename",
-    "line", "name", "segment_type", "is_expandable", "device", "expandable_segments",
-    "max_split_size", "garbage_collection_threshold", "PYTORCH_CUDA_ALLOC_CONF",
-    "device_free",
-]) | st.text(max_size=5)
+_KEYS = st.sampled_from(
+    [
+        "segments",
+        "blocks",
+        "size",
+        "state",
+        "total_size",
+        "requested_size",
+        "frames",
+        "history",
+        "real_size",
+        "allocator_settings",
+        "device_traces",
+        "action",
+        "filename",
+        "line",
+        "name",
+        "segment_type",
+        "is_expandable",
+        "device",
+        "expandable_segments",
+        "max_split_size",
+        "garbage_collection_threshold",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "device_free",
+    ]
+) | st.text(max_size=5)
 _LEAVES = (
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats()
-    | st.text(max_size=8) | st.binary(max_size=8)
-    | st.sampled_from(["active_allocated", "active_pending_free", "inactive", "oom",
-                       "large", "small", "expandable_segments:True,max_split_size_mb:x",
-                       "garbage_collection_threshold:1.2.3"])
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+    | st.sampled_from(
+        [
+            "active_allocated",
+            "active_pending_free",
+            "inactive",
+            "oom",
+            "large",
+            "small",
+            "expandable_segments:True,max_split_size_mb:x",
+            "garbage_collection_threshold:1.2.3",
+        ]
+    )
 )
 _TREES = st.recursive(
     _LEAVES,
-    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(_KEYS, kids, max_size=6)
-    | st.tuples(kids, kids),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(_KEYS, kids, max_size=6) | st.tuples(kids, kids),
     max_leaves=40,
 )
 

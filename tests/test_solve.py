@@ -49,8 +49,12 @@ block = st.tuples(st.sampled_from([16, 32, 64]), st.sampled_from(ACTS), st.boole
 
 
 @settings(max_examples=15, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-@given(width=st.sampled_from([8, 16, 32]), blocks=st.lists(block, min_size=2, max_size=4),
-       position=st.floats(-0.15, 1.0), offload=st.sampled_from([None, None, "disk"]))
+@given(
+    width=st.sampled_from([8, 16, 32]),
+    blocks=st.lists(block, min_size=2, max_size=4),
+    position=st.floats(-0.15, 1.0),
+    offload=st.sampled_from([None, None, "disk"]),
+)
 def test_solver_matches_exhaustive_search(width, blocks, position, offload):
     graph = cached(width, tuple(blocks))
     none, full = peak(graph, "none"), peak(graph, "full")
@@ -190,8 +194,11 @@ def test_keep_and_recompute_globs():
     forced = solve_choices(graph, CONFIG, peak(graph, "none"), recompute=["blocks.3"])
     assert [c.span.path for c in forced.choices] == ["blocks.3"]
     assert forced.choices[0].mode == "recompute"
-    with pytest.raises(ValueError, match=r"--keep 'layers\.\*' matches no checkpointable module; "
-                                         r"they are: blocks\.0, blocks\.1, blocks\.2, blocks\.3"):
+    with pytest.raises(
+        ValueError,
+        match=r"--keep 'layers\.\*' matches no checkpointable module; "
+        r"they are: blocks\.0, blocks\.1, blocks\.2, blocks\.3",
+    ):
         solve_choices(graph, CONFIG, budget, keep=["layers.*"])
     with pytest.raises(ValueError, match=r"--recompute 'blocks\.9' matches no checkpointable module"):
         solve_choices(graph, CONFIG, budget, recompute=["blocks.9"])

@@ -41,6 +41,7 @@ def num_params(model: torch.nn.Module) -> int:
 
 # ----------------------------------------------------------------------------- presets
 
+
 def test_every_big_preset_has_a_tiny_version() -> None:
     for name in ["gpt2", "llama-7b", "llama-13b", "llama-70b", "mistral-7b"]:
         assert name in PRESETS and f"{name}-tiny" in PRESETS
@@ -87,6 +88,7 @@ def test_gpt2_rejects_sequences_past_its_positions() -> None:
 
 # ----------------------------------------------------------------------------- model details
 
+
 def test_grouped_kv_heads_match_sdpa_gqa() -> None:
     q, k, v = torch.randn(2, 8, 5, 4), torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4)
     ours = F.scaled_dot_product_attention(q, repeat_kv(k, 8), repeat_kv(v, 8), is_causal=True)
@@ -110,6 +112,7 @@ def test_tied_llama_shares_embedding_and_head() -> None:
 
 
 # ----------------------------------------------------------------------------- spec strings
+
 
 def write_module(tmp_path, body: str) -> str:
     path = tmp_path / "my_model.py"
@@ -200,11 +203,14 @@ def test_function_errors_and_bad_returns(tmp_path) -> None:
         resolve_spec(f"{path}:bad_return").build(batch_size=1, seq_len=1)
 
 
-@pytest.mark.parametrize(("batch_size", "seq_len", "words"), [
-    (0, 8, "batch size must be a positive integer, got 0"),
-    (2, -1, "sequence length must be a positive integer, got -1"),
-    (2.0, 8, "batch size must be a positive integer, got 2.0"),
-])
+@pytest.mark.parametrize(
+    ("batch_size", "seq_len", "words"),
+    [
+        (0, 8, "batch size must be a positive integer, got 0"),
+        (2, -1, "sequence length must be a positive integer, got -1"),
+        (2.0, 8, "batch size must be a positive integer, got 2.0"),
+    ],
+)
 def test_build_rejects_bad_sizes(batch_size, seq_len, words: str) -> None:
     with pytest.raises(SpecError, match=words):
         PRESETS["mlp-tiny"].build(batch_size=batch_size, seq_len=seq_len)

@@ -31,7 +31,7 @@ def test_phases_in_order(traced, preset):
     g = _graph(traced, preset)
     assert _phase_runs(g) == ["forward", "loss", "backward"]
     assert all(op.phase in PHASES for op in g.ops)
-    assert all(op.phase == "backward" for op in g.ops[g.backward_start:])
+    assert all(op.phase == "backward" for op in g.ops[g.backward_start :])
     assert all(op.phase != "backward" for op in g.ops[: g.backward_start])
     assert [op.index for op in g.ops] == list(range(len(g.ops)))
 
@@ -143,7 +143,7 @@ def test_forward_matmul_flops_match_the_2n_rule(traced):
     norms = (2 * layers + 1) * hidden
     assert mm == 2 * (non_embedding - norms) * tokens
     # backward matmuls cost about twice the forward
-    bwd = sum(op.flops for op in g.ops[g.backward_start:] if op.name.startswith(("aten.mm.", "aten.addmm.")))
+    bwd = sum(op.flops for op in g.ops[g.backward_start :] if op.name.startswith(("aten.mm.", "aten.addmm.")))
     assert 1.8 * mm <= bwd <= 2.2 * mm
 
 
@@ -158,7 +158,9 @@ def test_attention_flops_counted(traced):
 def test_trace_is_deterministic(traced):
     a = _graph(traced, "llama-7b-tiny")
     b = trace("llama-7b-tiny", batch_size=2, seq_len=32)
-    assert [(o.name, o.module, o.phase, o.allocs) for o in a.ops] == [(o.name, o.module, o.phase, o.allocs) for o in b.ops]
+    assert [(o.name, o.module, o.phase, o.allocs) for o in a.ops] == [
+        (o.name, o.module, o.phase, o.allocs) for o in b.ops
+    ]
     assert a.regions == b.regions
     assert a.tensors == b.tensors
 
@@ -179,7 +181,9 @@ def test_bf16_mixed_has_bf16_activations(traced):
     assert g.param_dtype == "float32" and g.meta["precision"] == "bf16-mixed"
     params = [t for t in g.tensors.values() if t.category == "parameter"]
     assert all(t.dtype == "float32" for t in params)
-    mm_out = [g.tensors[o].dtype for op in g.ops[: g.backward_start] if op.name.startswith("aten.mm.") for o in op.allocs]
+    mm_out = [
+        g.tensors[o].dtype for op in g.ops[: g.backward_start] if op.name.startswith("aten.mm.") for o in op.allocs
+    ]
     assert mm_out and set(mm_out) == {"bfloat16"}
     acts = Counter(t.dtype for t in g.tensors.values() if t.category == "activation")
     assert acts["bfloat16"] > acts["float32"]

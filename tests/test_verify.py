@@ -14,12 +14,18 @@ from planner.tracing.specs import resolve_spec
 TOLERANCE = 0.03
 
 CASES = [
-    ("llama-7b-tiny", 32), ("llama-7b-tiny", 64),
-    ("gpt2-tiny", 32), ("gpt2-tiny", 64),
-    ("mistral-7b-tiny", 32), ("mistral-7b-tiny", 64),  # grouped-query attention
-    ("resnet-tiny", 16), ("resnet-tiny", 32),  # conv + batch norm; seq_len is the image side
-    ("kwargs-tiny", 32), ("kwargs-tiny", 64),  # keyword inputs, output object with .loss
-    ("mlp-tiny", 16), ("bert-tiny", 32),
+    ("llama-7b-tiny", 32),
+    ("llama-7b-tiny", 64),
+    ("gpt2-tiny", 32),
+    ("gpt2-tiny", 64),
+    ("mistral-7b-tiny", 32),
+    ("mistral-7b-tiny", 64),  # grouped-query attention
+    ("resnet-tiny", 16),
+    ("resnet-tiny", 32),  # conv + batch norm; seq_len is the image side
+    ("kwargs-tiny", 32),
+    ("kwargs-tiny", 64),  # keyword inputs, output object with .loss
+    ("mlp-tiny", 16),
+    ("bert-tiny", 32),
 ]
 
 

@@ -77,9 +77,12 @@ class ConfigurationReport:
     config: dict
 
     def to_dict(self) -> dict:
-        return {"configurations": [c.to_dict() for c in self.configurations],
-                "recommended": None if self.recommended is None else self.recommended.to_dict(),
-                "budget_bytes": self.budget_bytes, "config": dict(self.config)}
+        return {
+            "configurations": [c.to_dict() for c in self.configurations],
+            "recommended": None if self.recommended is None else self.recommended.to_dict(),
+            "budget_bytes": self.budget_bytes,
+            "config": dict(self.config),
+        }
 
 
 def host_offload_s(graph: OpGraph, config: TrainConfig) -> float:
@@ -109,8 +112,9 @@ class _Evaluator:
         self.graph, self.base, self.budget, self.time_limit_s = graph, base, budget, time_limit_s
         self._timelines: dict[tuple[TrainConfig, bool], Timeline] = {}
 
-    def evaluate(self, gpus: int, optimizer: str, cpu_offload: bool, plan: bool, accumulation: int,
-                 batch_per_gpu: int) -> Configuration:
+    def evaluate(
+        self, gpus: int, optimizer: str, cpu_offload: bool, plan: bool, accumulation: int, batch_per_gpu: int
+    ) -> Configuration:
         config = _sharded(self.base, gpus, optimizer, cpu_offload)
         bare = self._simulate(config, full_recompute=False)
         timeline, overhead = bare, 0.0
@@ -126,11 +130,20 @@ class _Evaluator:
         tokens_per_gpu = batch_per_gpu * config.seq_len
         rate = tokens_per_gpu / step_s if step_s > 0 else 0.0
         return Configuration(
-            gpus=gpus, optimizer=optimizer, cpu_offload=cpu_offload, plan=plan, micro_batch=config.batch_size,
-            accumulation=accumulation, fits=fits, peak_bytes=timeline.peak_bytes,
-            host_bytes=0 if host is None else host.parameter + host.gradient + host.optimizer, step_s=step_s,
-            tokens_per_s_per_gpu=rate, gpu_hours_per_million_tokens=1e6 / (rate * 3600) if rate else float("inf"),
-            recompute_overhead=overhead)
+            gpus=gpus,
+            optimizer=optimizer,
+            cpu_offload=cpu_offload,
+            plan=plan,
+            micro_batch=config.batch_size,
+            accumulation=accumulation,
+            fits=fits,
+            peak_bytes=timeline.peak_bytes,
+            host_bytes=0 if host is None else host.parameter + host.gradient + host.optimizer,
+            step_s=step_s,
+            tokens_per_s_per_gpu=rate,
+            gpu_hours_per_million_tokens=1e6 / (rate * 3600) if rate else float("inf"),
+            recompute_overhead=overhead,
+        )
 
     def fits(self, gpus: int, optimizer: str, cpu_offload: bool, plan: bool) -> bool:
         """Cheap test: without a plan by simulation, with a plan by full recompute."""
@@ -162,6 +175,7 @@ class _Evaluator:
 def _counts_to_try(evaluator: _Evaluator, optimizer: str, cpu_offload: bool, plan: bool, max_gpus: int) -> list[int]:
     """The smallest GPU count that fits (doubling, then bisection), then the powers of two above it, up
     to `GROWTH_STEPS` of them; only `max_gpus`, to show how far off it is, when none fits."""
+
     def fits(n: int) -> bool:
         return evaluator.fits(n, optimizer, cpu_offload, plan)
 
@@ -178,9 +192,15 @@ def _counts_to_try(evaluator: _Evaluator, optimizer: str, cpu_offload: bool, pla
     return [high] + [above << k for k in range(GROWTH_STEPS) if above << k <= max_gpus]
 
 
-def cheapest_configuration(trace_micro_batch: Callable[[int], OpGraph], config: TrainConfig, budget_bytes: int, *,
-                           max_gpus: int = 4096, time_limit_s: float = 5.0,
-                           micro_batches: int = 2) -> ConfigurationReport:
+def cheapest_configuration(
+    trace_micro_batch: Callable[[int], OpGraph],
+    config: TrainConfig,
+    budget_bytes: int,
+    *,
+    max_gpus: int = 4096,
+    time_limit_s: float = 5.0,
+    micro_batches: int = 2,
+) -> ConfigurationReport:
     """Search GPU counts (powers of two) x optimizer states (the config's, and 8-bit when it is AdamW) x
     host offload x plan x micro-batch (the config's batch halved up to `micro_batches` times, with
     gradient accumulation keeping the batch), and rank what fits by GPU-hours per million tokens.
@@ -188,15 +208,19 @@ def cheapest_configuration(trace_micro_batch: Callable[[int], OpGraph], config: 
     For each combination, GPU counts start at the smallest that fits and grow to the next powers of
     two, since more GPUs can need less recompute but pay more communication."""
     optimizers = [config.optimizer] + (["adamw-8bit"] if config.optimizer == "adamw" else [])
-    micro_sizes = [config.batch_size >> k for k in range(micro_batches + 1)
-                   if config.batch_size >> k >= 1 and config.batch_size % (config.batch_size >> k) == 0]
+    micro_sizes = [
+        config.batch_size >> k
+        for k in range(micro_batches + 1)
+        if config.batch_size >> k >= 1 and config.batch_size % (config.batch_size >> k) == 0
+    ]
     rows: list[Configuration] = []
     for micro in micro_sizes:
         evaluator = _Evaluator(trace_micro_batch(micro), config.with_(batch_size=micro), budget_bytes, time_limit_s)
         for optimizer, cpu_offload, plan in itertools.product(optimizers, (False, True), (False, True)):
             for gpus in _counts_to_try(evaluator, optimizer, cpu_offload, plan, max_gpus):
-                row = evaluator.evaluate(gpus, optimizer, cpu_offload, plan, config.batch_size // micro,
-                                         config.batch_size)
+                row = evaluator.evaluate(
+                    gpus, optimizer, cpu_offload, plan, config.batch_size // micro, config.batch_size
+                )
                 if row not in rows:  # with a plan where none is needed: the same as without
                     rows.append(row)
     fitting = [r for r in rows if r.fits]

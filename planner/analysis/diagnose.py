@@ -27,8 +27,16 @@ from planner.solver.planning import solve
 from planner.tracing.graph import OpGraph
 from planner.units import format_bytes
 
-__all__ = ["Remedy", "Diagnosis", "diagnose", "diagnose_snapshot", "diagnose_oom_message",
-           "allocator_events", "allocator_estimate", "VERDICTS"]
+__all__ = [
+    "Remedy",
+    "Diagnosis",
+    "diagnose",
+    "diagnose_snapshot",
+    "diagnose_oom_message",
+    "allocator_events",
+    "allocator_estimate",
+    "VERDICTS",
+]
 
 VERDICTS = ("oom-init", "oom-iteration", "at-risk", "fits")
 MIN_FRAGMENTATION_FRACTION = 0.02  # the allocator is expected to add at least 2% of the device
@@ -152,6 +160,7 @@ class _Traces:
 
 def _longest_seq(traces: _Traces, config: TrainConfig, capacity: int) -> int | None:
     """Longest seq_len <= config.seq_len that fits: binary search over halvings, then bisection."""
+
     def fits(seq: int) -> bool:
         c = config.with_(seq_len=seq)
         return simulate(traces(c), c).peak_bytes <= capacity
@@ -190,24 +199,43 @@ def _longest_seq(traces: _Traces, config: TrainConfig, capacity: int) -> int | N
 
 
 # -- remedies -------------------------------------------------------------------------------------
-def _remedies(traces: _Traces, config: TrainConfig, base: Timeline, verdict: str,
-              capacity: int, time_limit_s: float) -> list[Remedy]:
+def _remedies(
+    traces: _Traces, config: TrainConfig, base: Timeline, verdict: str, capacity: int, time_limit_s: float
+) -> list[Remedy]:
     device = get_device(config.gpu)
     graph = traces(config)
     out: list[Remedy] = []
 
     def simulated(name: str, description: str, new: TrainConfig, note: str = "") -> Remedy:
         tl = simulate(traces(new), new)
-        return Remedy(name, description, _changes(config, new), tl.peak_bytes, tl.peak_bytes <= capacity,
-                      _relative_time(tl, base), note)
+        return Remedy(
+            name,
+            description,
+            _changes(config, new),
+            tl.peak_bytes,
+            tl.peak_bytes <= capacity,
+            _relative_time(tl, base),
+            note,
+        )
 
     if config.precision == "fp32" and verdict != "oom-init":  # fp32 master weights: states do not shrink
-        out.append(simulated("mixed precision", "train in bf16 autocast with fp32 master weights",
-                             config.with_(precision="bf16-mixed"),
-                             "activations in bf16; parameter, gradient and Adam states stay fp32"))
+        out.append(
+            simulated(
+                "mixed precision",
+                "train in bf16 autocast with fp32 master weights",
+                config.with_(precision="bf16-mixed"),
+                "activations in bf16; parameter, gradient and Adam states stay fp32",
+            )
+        )
     if config.optimizer == "adamw":
-        out.append(simulated("8-bit optimizer", "keep AdamW states in 8 bits (bitsandbytes AdamW8bit)",
-                             config.with_(optimizer="adamw-8bit"), "optimizer states shrink 4x"))
+        out.append(
+            simulated(
+                "8-bit optimizer",
+                "keep AdamW states in 8 bits (bitsandbytes AdamW8bit)",
+                config.with_(optimizer="adamw-8bit"),
+                "optimizer states shrink 4x",
+            )
+        )
     if config.zero_stage < 3 or config.dp == 1:
         dps = ZERO_DPS if config.dp == 1 else (config.dp, config.dp * 2, config.dp * 4)
     else:
@@ -215,8 +243,12 @@ def _remedies(traces: _Traces, config: TrainConfig, base: Timeline, verdict: str
     best: Remedy | None = None
     for dp in dps:
         new = config.with_(zero_stage=3, dp=dp)
-        r = simulated("ZeRO-3 / FSDP", f"shard parameters, gradients and optimizer states over {dp} GPUs",
-                      new, f"needs {dp} GPUs; all-gather/reduce-scatter traffic is not in the time cost")
+        r = simulated(
+            "ZeRO-3 / FSDP",
+            f"shard parameters, gradients and optimizer states over {dp} GPUs",
+            new,
+            f"needs {dp} GPUs; all-gather/reduce-scatter traffic is not in the time cost",
+        )
         r = replace(r, overhead=max(0.0, r.overhead))  # a sharded optimizer step is not a speed-up to sell
         best = r
         if r.fits:
@@ -229,21 +261,28 @@ def _remedies(traces: _Traces, config: TrainConfig, base: Timeline, verdict: str
         if device.is_cuda:
             targets.append(("cpu", "offload plan", "recompute or offload to host memory (memplan plan --offload cpu)"))
         for offload, name, description in targets:
-            changes = {"plan": "optimal" if offload is None else f"optimal, offload {offload}",
-                       "budget_bytes": budget}
+            changes = {"plan": "optimal" if offload is None else f"optimal, offload {offload}", "budget_bytes": budget}
             try:
                 plan = solve(graph, config, budget, offload=offload, time_limit_s=time_limit_s)
             except InfeasibleBudget as exc:
                 peak = exc.smallest_peak_bytes
-                out.append(Remedy(name, description, changes, peak if peak is not None else base.peak_bytes,
-                                  False, 0.0, "no plan reaches 95% of the device; the peak is the smallest reachable"))
+                out.append(
+                    Remedy(
+                        name,
+                        description,
+                        changes,
+                        peak if peak is not None else base.peak_bytes,
+                        False,
+                        0.0,
+                        "no plan reaches 95% of the device; the peak is the smallest reachable",
+                    )
+                )
                 continue
             p = plan.predicted
             note = f"{len(plan.decisions)} decisions"
             if p.offload_bytes:
                 note += f"; offloads {format_bytes(p.offload_bytes)} per step"
-            out.append(Remedy(name, description, changes, p.peak_bytes, p.peak_bytes <= capacity,
-                              p.overhead, note))
+            out.append(Remedy(name, description, changes, p.peak_bytes, p.peak_bytes <= capacity, p.overhead, note))
         if config.batch_size > 1:
             batch, r = config.batch_size, None
             for _ in range(MAX_BATCH_TRACES):
@@ -253,11 +292,16 @@ def _remedies(traces: _Traces, config: TrainConfig, base: Timeline, verdict: str
                 steps = -(-config.batch_size // batch)
                 new = config.with_(batch_size=batch)
                 tl = simulate(traces(new), new)
-                r = Remedy("gradient accumulation", f"micro-batch {batch} with {steps} accumulation steps",
-                           {"batch_size": batch, "accumulation_steps": steps}, tl.peak_bytes,
-                           tl.peak_bytes <= capacity, 0.0,
-                           f"{batch * steps} samples per optimizer step in {steps} micro-steps; "
-                           "smaller matmuls may run less efficiently")
+                r = Remedy(
+                    "gradient accumulation",
+                    f"micro-batch {batch} with {steps} accumulation steps",
+                    {"batch_size": batch, "accumulation_steps": steps},
+                    tl.peak_bytes,
+                    tl.peak_bytes <= capacity,
+                    0.0,
+                    f"{batch * steps} samples per optimizer step in {steps} micro-steps; "
+                    "smaller matmuls may run less efficiently",
+                )
                 if r.fits:
                     break
             if r is not None:
@@ -267,7 +311,9 @@ def _remedies(traces: _Traces, config: TrainConfig, base: Timeline, verdict: str
 
 
 # -- entry points -----------------------------------------------------------------------------------
-def diagnose(spec: str, config: TrainConfig, *, remedies: bool = True, time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> Diagnosis:
+def diagnose(
+    spec: str, config: TrainConfig, *, remedies: bool = True, time_limit_s: float = DEFAULT_TIME_LIMIT_S
+) -> Diagnosis:
     """Trace and simulate one step of `spec` under `config` on `config.gpu`, classify it, rank remedies."""
     capacity = get_device(config.gpu).memory_bytes
     traces = _Traces(spec)
@@ -292,34 +338,61 @@ def diagnose(spec: str, config: TrainConfig, *, remedies: bool = True, time_limi
         "peak_allocated_bytes": estimate.peak_allocated_bytes,
         "peak_reserved_bytes": estimate.peak_reserved_bytes,
         "fragmentation_bytes": fragmentation,
-        "fragmentation_headroom": (fragmentation / estimate.peak_reserved_bytes
-                                   if estimate.peak_reserved_bytes else 0.0),
+        "fragmentation_headroom": (
+            fragmentation / estimate.peak_reserved_bytes if estimate.peak_reserved_bytes else 0.0
+        ),
         "expected_reserved_bytes": tl.peak_bytes + expected,
     }
     return Diagnosis(
-        model=spec, config=config.to_dict(), capacity_bytes=capacity, verdict=verdict,
-        peak_bytes=tl.peak_bytes, peak_phase=tl.peak_phase, peak_op=tl.peak_op, peak_module=tl.peak_module,
-        breakdown_at_peak=dict(tl.breakdown_at_peak), model_states=dict(tl.model_states),
-        model_state_bytes=states, headroom_bytes=headroom, allocator=allocator,
-        expected_overhead_bytes=expected, longest_fitting_seq_len=longest, remedies=tuple(found),
+        model=spec,
+        config=config.to_dict(),
+        capacity_bytes=capacity,
+        verdict=verdict,
+        peak_bytes=tl.peak_bytes,
+        peak_phase=tl.peak_phase,
+        peak_op=tl.peak_op,
+        peak_module=tl.peak_module,
+        breakdown_at_peak=dict(tl.breakdown_at_peak),
+        model_states=dict(tl.model_states),
+        model_state_bytes=states,
+        headroom_bytes=headroom,
+        allocator=allocator,
+        expected_overhead_bytes=expected,
+        longest_fitting_seq_len=longest,
+        remedies=tuple(found),
         summary=_summary(verdict, spec, config, tl, states, capacity, expected, longest),
     )
 
 
-def _summary(verdict: str, spec: str, config: TrainConfig, tl: Timeline, states: int, capacity: int,
-             expected: int, longest: int | None) -> str:
+def _summary(
+    verdict: str,
+    spec: str,
+    config: TrainConfig,
+    tl: Timeline,
+    states: int,
+    capacity: int,
+    expected: int,
+    longest: int | None,
+) -> str:
     where = f"{tl.peak_phase} at {tl.peak_op} (module '{tl.peak_module or '<root>'}')"
     if verdict == "oom-init":
-        return (f"out of memory before the first step: model states need {format_bytes(states)} per device, "
-                f"more than the {format_bytes(capacity)} of {config.gpu}")
+        return (
+            f"out of memory before the first step: model states need {format_bytes(states)} per device, "
+            f"more than the {format_bytes(capacity)} of {config.gpu}"
+        )
     if verdict == "oom-iteration":
-        tail = (f"; the longest sequence that fits is {longest}" if longest
-                else "; no sequence length fits at this batch size")
+        tail = (
+            f"; the longest sequence that fits is {longest}"
+            if longest
+            else "; no sequence length fits at this batch size"
+        )
         peak, device = format_bytes(tl.peak_bytes), format_bytes(capacity)
         return f"out of memory during the step: peak {peak} in {where} exceeds {device}{tail}"
     if verdict == "at-risk":
-        return (f"fits with {format_bytes(capacity - tl.peak_bytes)} headroom, less than the allocator's expected "
-                f"overhead {format_bytes(expected)}: a real run may OOM (peak in {where})")
+        return (
+            f"fits with {format_bytes(capacity - tl.peak_bytes)} headroom, less than the allocator's expected "
+            f"overhead {format_bytes(expected)}: a real run may OOM (peak in {where})"
+        )
     return f"peak {format_bytes(tl.peak_bytes)} in {where} leaves {format_bytes(capacity - tl.peak_bytes)} headroom"
 
 

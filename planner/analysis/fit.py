@@ -41,12 +41,17 @@ class FitResult:
     configurations: ConfigurationReport | None = None  # the cheapest-configuration search, when asked
 
     def to_dict(self) -> dict[str, Any]:
-        return {"min_gpus_without_plan": self.min_gpus_without_plan,
-                "min_gpus_with_plan": self.min_gpus_with_plan,
-                "without_plan": self.without_plan, "with_plan": self.with_plan, "config": dict(self.config),
-                "budget_bytes": self.budget_bytes, "capacity_bytes": self.capacity_bytes,
-                "max_gpus": self.max_gpus,
-                "configurations": None if self.configurations is None else self.configurations.to_dict()}
+        return {
+            "min_gpus_without_plan": self.min_gpus_without_plan,
+            "min_gpus_with_plan": self.min_gpus_with_plan,
+            "without_plan": self.without_plan,
+            "with_plan": self.with_plan,
+            "config": dict(self.config),
+            "budget_bytes": self.budget_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "max_gpus": self.max_gpus,
+            "configurations": None if self.configurations is None else self.configurations.to_dict(),
+        }
 
 
 class _Checker:
@@ -92,20 +97,31 @@ class _Checker:
 
     def bare_dict(self, config: TrainConfig) -> dict:
         tl = self.bare(config)
-        return {"peak_bytes": tl.peak_bytes, "peak_phase": tl.peak_phase, "peak_op": tl.peak_op,
-                "breakdown_at_peak": dict(tl.breakdown_at_peak), "model_states": dict(tl.model_states),
-                "step_s": tl.costs.step_s}
+        return {
+            "peak_bytes": tl.peak_bytes,
+            "peak_phase": tl.peak_phase,
+            "peak_op": tl.peak_op,
+            "breakdown_at_peak": dict(tl.breakdown_at_peak),
+            "model_states": dict(tl.model_states),
+            "step_s": tl.costs.step_s,
+        }
 
     def plan_dict(self, config: TrainConfig) -> dict | None:
         plan = self.plan(config)
         if plan is None:
             return None
         tl = simulate(self.graph, config, plan=plan)
-        return {"peak_bytes": tl.peak_bytes, "overhead": plan.predicted.overhead,
-                "recompute_flops": plan.predicted.recompute_flops, "decisions": len(plan.decisions),
-                "peak_phase": tl.peak_phase, "peak_op": tl.peak_op,
-                "breakdown_at_peak": dict(tl.breakdown_at_peak), "model_states": dict(tl.model_states),
-                "step_s": tl.costs.step_s}
+        return {
+            "peak_bytes": tl.peak_bytes,
+            "overhead": plan.predicted.overhead,
+            "recompute_flops": plan.predicted.recompute_flops,
+            "decisions": len(plan.decisions),
+            "peak_phase": tl.peak_phase,
+            "peak_op": tl.peak_op,
+            "breakdown_at_peak": dict(tl.breakdown_at_peak),
+            "model_states": dict(tl.model_states),
+            "step_s": tl.costs.step_s,
+        }
 
 
 def _smallest(ok: Callable[[int], bool], limit: int) -> int | None:
@@ -128,8 +144,15 @@ def _smallest(ok: Callable[[int], bool], limit: int) -> int | None:
     return hi
 
 
-def fit(spec: str, config: TrainConfig, max_gpus: int = 4096, *, reserve: float = DEFAULT_RESERVE,
-        time_limit_s: float = DEFAULT_TIME_LIMIT_S, search_configurations: bool = False) -> FitResult:
+def fit(
+    spec: str,
+    config: TrainConfig,
+    max_gpus: int = 4096,
+    *,
+    reserve: float = DEFAULT_RESERVE,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    search_configurations: bool = False,
+) -> FitResult:
     """Smallest ZeRO-3 data-parallel degree on which a step fits `config.gpu`, without and with a plan;
     with `search_configurations`, also the cheapest configuration by GPU-hours (see
     :mod:`planner.analysis.configurations`)."""
@@ -150,17 +173,23 @@ def fit(spec: str, config: TrainConfig, max_gpus: int = 4096, *, reserve: float 
     with_plan = _smallest(lambda n: check.plan_fits(at(n)), limit)
     configurations = None
     if search_configurations:
+
         def trace_micro_batch(batch_size: int) -> OpGraph:
             return check.graph if batch_size == base.batch_size else trace_for(spec, base.with_(batch_size=batch_size))
 
-        configurations = cheapest_configuration(trace_micro_batch, config, budget, max_gpus=max_gpus,
-                                                time_limit_s=time_limit_s)
+        configurations = cheapest_configuration(
+            trace_micro_batch, config, budget, max_gpus=max_gpus, time_limit_s=time_limit_s
+        )
     return FitResult(
-        min_gpus_without_plan=without, min_gpus_with_plan=with_plan,
+        min_gpus_without_plan=without,
+        min_gpus_with_plan=with_plan,
         without_plan=check.bare_dict(at(without)) if without is not None else None,
         with_plan=check.plan_dict(at(with_plan)) if with_plan is not None else None,
         config={**config.to_dict(), "model": spec, "zero_stage": 3},
-        budget_bytes=budget, capacity_bytes=capacity, max_gpus=max_gpus, configurations=configurations,
+        budget_bytes=budget,
+        capacity_bytes=capacity,
+        max_gpus=max_gpus,
+        configurations=configurations,
     )
 
 
@@ -183,8 +212,15 @@ def _largest(ok: Callable[[int], bool], start: int, max_traces: int) -> tuple[in
     return None, False
 
 
-def largest_fitting(spec: str, config: TrainConfig, gpus: int, *, reserve: float = DEFAULT_RESERVE,
-                    time_limit_s: float = DEFAULT_TIME_LIMIT_S, max_traces: int = MAX_SIZE_TRACES) -> dict:
+def largest_fitting(
+    spec: str,
+    config: TrainConfig,
+    gpus: int,
+    *,
+    reserve: float = DEFAULT_RESERVE,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    max_traces: int = MAX_SIZE_TRACES,
+) -> dict:
     """Largest micro-batch (at config.seq_len) and sequence length (at config.batch_size) that fit on
     `gpus` GPUs (ZeRO-3 when gpus > 1), without and with a plan: the config's size times or divided
     by powers of two."""
@@ -210,16 +246,27 @@ def largest_fitting(spec: str, config: TrainConfig, gpus: int, *, reserve: float
             return False
         return ch.plan_fits(c) if with_plan else ch.fits(c)
 
-    out: dict[str, Any] = {"gpus": gpus, "config": {**run.to_dict(), "model": spec},
-                           "budget_bytes": budget, "capacity_bytes": capacity}
-    for name, start, make in (("batch_size", config.batch_size, lambda n: (n, config.seq_len)),
-                              ("seq_len", config.seq_len, lambda n: (config.batch_size, n))):
+    out: dict[str, Any] = {
+        "gpus": gpus,
+        "config": {**run.to_dict(), "model": spec},
+        "budget_bytes": budget,
+        "capacity_bytes": capacity,
+    }
+    for name, start, make in (
+        ("batch_size", config.batch_size, lambda n: (n, config.seq_len)),
+        ("seq_len", config.seq_len, lambda n: (config.batch_size, n)),
+    ):
         bare, bare_capped = _largest(lambda n, make=make, name=name: test(*make(n), False, name), start, max_traces)
         planned, plan_capped = _largest(
             lambda n, make=make, name=name: test(*make(n), True, name), bare or start, max_traces
         )
-        entry: dict[str, Any] = {"without_plan": bare, "with_plan": planned, "limited_by": limits.get(name),
-                                 "without_plan_at_least": bare_capped, "with_plan_at_least": plan_capped}
+        entry: dict[str, Any] = {
+            "without_plan": bare,
+            "with_plan": planned,
+            "limited_by": limits.get(name),
+            "without_plan_at_least": bare_capped,
+            "with_plan_at_least": plan_capped,
+        }
         if bare is not None:
             ch, c = checker(*make(bare))
             entry["without_plan_peak_bytes"] = ch.bare(c).peak_bytes

@@ -11,8 +11,7 @@ EXAMPLE = "memplan apply --model llama-7b-tiny --seq-len 64 --plan plan.json"
 
 
 def register(add) -> None:
-    p = add("apply", "check a plan against a model and show what it wraps",
-            run, EXAMPLE)
+    p = add("apply", "check a plan against a model and show what it wraps", run, EXAMPLE)
     add_model_options(p, sweep=False)
     p.add_argument("--plan", required=True, help="plan file")
 

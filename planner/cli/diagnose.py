@@ -11,9 +11,11 @@ from planner.units import format_bytes
 
 __all__ = ["register", "run"]
 
-EXAMPLE = ("memplan diagnose --model llama-7b --gpu a100-40gb --seq-len 4096\n"
-           "  memplan diagnose --snapshot snapshot.pickle\n"
-           "  memplan diagnose --oom-message \"CUDA out of memory. Tried to allocate ...\"")
+EXAMPLE = (
+    "memplan diagnose --model llama-7b --gpu a100-40gb --seq-len 4096\n"
+    "  memplan diagnose --snapshot snapshot.pickle\n"
+    '  memplan diagnose --oom-message "CUDA out of memory. Tried to allocate ..."'
+)
 
 _NEEDS_INPUT = "diagnose needs --model SPEC, --snapshot FILE or --oom-message TEXT"
 
@@ -28,17 +30,24 @@ def _pct(x: float | None) -> str:
 
 def _print_snapshot(path: str, json_path: str | None) -> None:
     r = diagnose_snapshot(path)
-    print(f"snapshot {clean(path)} ({r.format}): reserved {_fb(r.reserved_bytes)}, allocated {_fb(r.allocated_bytes)}, "
-          f"free in cache {_fb(r.free_bytes)} (largest block {_fb(r.largest_free_block_bytes)}), "
-          f"fragmentation {r.fragmentation_ratio * 100:.1f}%")
-    rows = [[clean(p.pool, 40), p.segments, _fb(p.reserved_bytes), _fb(p.allocated_bytes), _fb(p.free_bytes)]
-            for p in r.segments_by_pool]
+    print(
+        f"snapshot {clean(path)} ({r.format}): reserved {_fb(r.reserved_bytes)}, allocated {_fb(r.allocated_bytes)}, "
+        f"free in cache {_fb(r.free_bytes)} (largest block {_fb(r.largest_free_block_bytes)}), "
+        f"fragmentation {r.fragmentation_ratio * 100:.1f}%"
+    )
+    rows = [
+        [clean(p.pool, 40), p.segments, _fb(p.reserved_bytes), _fb(p.allocated_bytes), _fb(p.free_bytes)]
+        for p in r.segments_by_pool
+    ]
     if rows:
         print(report.table(["pool", "segments", "reserved", "allocated", "free"], rows))
     if r.top_allocations:
         print("largest live allocations:")
-        print(report.table(["size", "where"], [[_fb(a.size), clean(a.frames[0]) if a.frames else "?"]
-                                                for a in r.top_allocations]))
+        print(
+            report.table(
+                ["size", "where"], [[_fb(a.size), clean(a.frames[0]) if a.frames else "?"] for a in r.top_allocations]
+            )
+        )
     for line in r.advice:
         print(f"- {line}")
     write_json(json_path, r.to_dict())
@@ -67,29 +76,37 @@ def run(args) -> None:
         raise ValueError(_NEEDS_INPUT)
     config = config_from_args(args)
     d = diagnose(args.model, config, time_limit_s=args.time_limit)
-    print(f"{args.model} batch {config.batch_size} seq {config.seq_len} {config.precision} {config.optimizer} "
-          f"ZeRO-{config.zero_stage} dp {config.dp} on {config.gpu} ({_fb(d.capacity_bytes)})")
+    print(
+        f"{args.model} batch {config.batch_size} seq {config.seq_len} {config.precision} {config.optimizer} "
+        f"ZeRO-{config.zero_stage} dp {config.dp} on {config.gpu} ({_fb(d.capacity_bytes)})"
+    )
     print(f"verdict: {d.verdict} ({d.summary})")
-    print(f"peak {_fb(d.peak_bytes)} in {d.peak_phase} at {d.peak_op} (module '{d.peak_module or '<root>'}'); "
-          "model states " + ", ".join(f"{k} {_fb(v)}" for k, v in d.model_states.items()))
+    print(
+        f"peak {_fb(d.peak_bytes)} in {d.peak_phase} at {d.peak_op} (module '{d.peak_module or '<root>'}'); "
+        "model states " + ", ".join(f"{k} {_fb(v)}" for k, v in d.model_states.items())
+    )
     a = d.allocator
-    print(f"allocator estimate: peak allocated {_fb(a['peak_allocated_bytes'])}, reserved "
-          f"{_fb(a['peak_reserved_bytes'])}, fragmentation {_fb(a['fragmentation_bytes'])}; "
-          f"expected overhead {_fb(d.expected_overhead_bytes)}")
+    print(
+        f"allocator estimate: peak allocated {_fb(a['peak_allocated_bytes'])}, reserved "
+        f"{_fb(a['peak_reserved_bytes'])}, fragmentation {_fb(a['fragmentation_bytes'])}; "
+        f"expected overhead {_fb(d.expected_overhead_bytes)}"
+    )
     if d.remedies:
-        rows = [[r.name, r.description, _fb(r.peak_bytes), "yes" if r.fits else "no", _pct(r.overhead), r.note]
-                for r in d.remedies]
+        rows = [
+            [r.name, r.description, _fb(r.peak_bytes), "yes" if r.fits else "no", _pct(r.overhead), r.note]
+            for r in d.remedies
+        ]
         print("remedies (ranked: fitting first, then by added step time):")
         print(report.table(["remedy", "change", "new peak", "fits", "time cost", "note"], rows))
     write_json(args.json_path, d.to_dict())
 
 
 def register(add) -> None:
-    p = add("diagnose", "explain an OOM (model, snapshot or error message) and rank simulated remedies",
-            run, EXAMPLE)
+    p = add("diagnose", "explain an OOM (model, snapshot or error message) and rank simulated remedies", run, EXAMPLE)
     add_model_options(p, sweep=False)
     p._option_string_actions["--model"].required = False
     p.add_argument("--snapshot", metavar="FILE", help="analyse a torch.cuda.memory._dump_snapshot() pickle")
     p.add_argument("--oom-message", metavar="TEXT", help="explain a 'CUDA out of memory' message")
-    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="solver time limit in seconds per plan")
-
+    p.add_argument(
+        "--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="solver time limit in seconds per plan"
+    )

@@ -46,29 +46,54 @@ def run(args) -> None:
     capacity = get_device(config.gpu).memory_bytes
     if args.gpus:
         r = largest_fitting(args.model, config, args.gpus, reserve=args.reserve, time_limit_s=args.time_limit)
-        print(f"{args.model} {config.precision} on {args.gpus} x {config.gpu} ({_fb(capacity)}, "
-              f"budget {_fb(r['budget_bytes'])}{', ZeRO-3' if args.gpus > 1 else ''})")
+        print(
+            f"{args.model} {config.precision} on {args.gpus} x {config.gpu} ({_fb(capacity)}, "
+            f"budget {_fb(r['budget_bytes'])}{', ZeRO-3' if args.gpus > 1 else ''})"
+        )
         rows = []
         for name, fixed in (("batch_size", f"seq {config.seq_len}"), ("seq_len", f"batch {config.batch_size}")):
             e = r[f"largest_{name}"]
-            rows.append([f"largest {name.replace('_', ' ')} ({fixed})", _size(e, "without_plan"),
-                         _fb(e.get("without_plan_peak_bytes")), _size(e, "with_plan"),
-                         _fb(e.get("with_plan_peak_bytes")), _pct(e.get("with_plan_overhead"))])
+            rows.append(
+                [
+                    f"largest {name.replace('_', ' ')} ({fixed})",
+                    _size(e, "without_plan"),
+                    _fb(e.get("without_plan_peak_bytes")),
+                    _size(e, "with_plan"),
+                    _fb(e.get("with_plan_peak_bytes")),
+                    _pct(e.get("with_plan_overhead")),
+                ]
+            )
         print(report.table(["", "no plan", "peak", "with plan", "peak", "time cost"], rows))
-        print(f"sizes tried: batch {config.batch_size} and seq {config.seq_len} times or divided by powers of two "
-              "(>=: the search stopped at its bound)")
+        print(
+            f"sizes tried: batch {config.batch_size} and seq {config.seq_len} times or divided by powers of two "
+            "(>=: the search stopped at its bound)"
+        )
         for name in ("batch_size", "seq_len"):
             if r[f"largest_{name}"].get("limited_by"):
                 print(f"{name.replace('_', ' ')} limited by the model: {r[f'largest_{name}']['limited_by']}")
         write_json(args.json_path, r)
         return
-    r = fit(args.model, config, args.max_gpus, reserve=args.reserve, time_limit_s=args.time_limit,
-            search_configurations=True)
-    print(f"{args.model} batch {config.batch_size} seq {config.seq_len} {config.precision} on {config.gpu} "
-          f"({_fb(capacity)}, budget {_fb(r.budget_bytes)}), ZeRO-3 over N GPUs:")
-    print(report.table(["", "GPUs", "peak / GPU", "model states / GPU", "activations at peak", "time cost"],
-                       [_gpu_row("without a plan", r.min_gpus_without_plan, r.without_plan),
-                        _gpu_row("with the best plan", r.min_gpus_with_plan, r.with_plan)]))
+    r = fit(
+        args.model,
+        config,
+        args.max_gpus,
+        reserve=args.reserve,
+        time_limit_s=args.time_limit,
+        search_configurations=True,
+    )
+    print(
+        f"{args.model} batch {config.batch_size} seq {config.seq_len} {config.precision} on {config.gpu} "
+        f"({_fb(capacity)}, budget {_fb(r.budget_bytes)}), ZeRO-3 over N GPUs:"
+    )
+    print(
+        report.table(
+            ["", "GPUs", "peak / GPU", "model states / GPU", "activations at peak", "time cost"],
+            [
+                _gpu_row("without a plan", r.min_gpus_without_plan, r.without_plan),
+                _gpu_row("with the best plan", r.min_gpus_with_plan, r.with_plan),
+            ],
+        )
+    )
     if r.min_gpus_without_plan is None:
         print(f"does not fit on up to {args.max_gpus} GPUs without a plan; raise --max-gpus or shorten the sequence")
     if r.configurations is not None:
@@ -77,10 +102,16 @@ def run(args) -> None:
 
 
 def register(add) -> None:
-    p = add("fit", "smallest number of GPUs (ZeRO-3) a step fits on, or the largest batch/sequence on --gpus N",
-            run, EXAMPLE)
+    p = add(
+        "fit",
+        "smallest number of GPUs (ZeRO-3) a step fits on, or the largest batch/sequence on --gpus N",
+        run,
+        EXAMPLE,
+    )
     add_model_options(p, sweep=False)
     p.add_argument("--gpus", type=positive_int, help="report the largest batch and sequence that fit on this many GPUs")
     p.add_argument("--max-gpus", type=positive_int, default=4096, help="largest GPU count to consider")
     p.add_argument("--reserve", type=float, default=DEFAULT_RESERVE, help="fraction of each GPU kept free")
-    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="solver time limit in seconds per plan")
+    p.add_argument(
+        "--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="solver time limit in seconds per plan"
+    )

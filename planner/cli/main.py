@@ -59,8 +59,13 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         default = action.default
         if isinstance(default, list) and len(default) == 1:
             default = default[0]
-        if (action.required or not action.option_strings or default is argparse.SUPPRESS
-                or default in (None, False, "", [], ()) or "%(default)" in text):
+        if (
+            action.required
+            or not action.option_strings
+            or default is argparse.SUPPRESS
+            or default in (None, False, "", [], ())
+            or "%(default)" in text
+        ):
             return text
         return f"{text} (default: {str(default).replace('%', '%%')})"
 
@@ -70,8 +75,9 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, help_text: str, fn: Callable, example: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=help_text, epilog="example:\n  " + example,
-                           formatter_class=_HelpFormatter)
+        p = sub.add_parser(
+            name, help=help_text, description=help_text, epilog="example:\n  " + example, formatter_class=_HelpFormatter
+        )
         p.set_defaults(fn=fn)
         return p
 

@@ -45,44 +45,89 @@ def seq_lens(text: str) -> list[int]:
 
 
 def add_model_options(p: argparse.ArgumentParser, sweep: bool = True, default_gpu: str = "cpu") -> None:
-    p.add_argument("--model", required=True, help="preset name, PATH.py:FUNC, package.module:FUNC or hf:PATH/config.json")
+    p.add_argument(
+        "--model", required=True, help="preset name, PATH.py:FUNC, package.module:FUNC or hf:PATH/config.json"
+    )
     p.add_argument("--batch-size", type=positive_int, default=1, help="sequences (images) per step and device")
-    p.add_argument("--seq-len", type=seq_lens if sweep else positive_int, default=[512] if sweep else 512,
-                   help="sequence length" + (" (a comma list: a sweep for simulate/verify, one plan per "
-                                             "bucket for plan)" if sweep else ""))
+    p.add_argument(
+        "--seq-len",
+        type=seq_lens if sweep else positive_int,
+        default=[512] if sweep else 512,
+        help="sequence length"
+        + (" (a comma list: a sweep for simulate/verify, one plan per bucket for plan)" if sweep else ""),
+    )
     p.add_argument("--gpu", default=default_gpu, help="target device: " + ", ".join(DEVICES))
-    p.add_argument("--device-profile", dest="gpu", default=argparse.SUPPRESS, metavar="FILE",
-                   help="target device from a profile JSON that memplan calibrate wrote (instead of --gpu)")
+    p.add_argument(
+        "--device-profile",
+        dest="gpu",
+        default=argparse.SUPPRESS,
+        metavar="FILE",
+        help="target device from a profile JSON that memplan calibrate wrote (instead of --gpu)",
+    )
     p.add_argument("--precision", default="fp32", help="one of: " + ", ".join(PRECISIONS))
     p.add_argument("--optimizer", default="adamw", help="one of: " + ", ".join(OPTIMIZERS))
     p.add_argument("--zero", type=int, default=0, dest="zero_stage", help="ZeRO stage 0-3 (3 = FSDP full shard)")
     p.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree")
-    p.add_argument("--reshard-after-forward", type=reshard_after_forward, default=True, metavar="true|false|N",
-                   help="FSDP2 (--zero 3): free each block's gathered parameters after its forward (true), "
-                        "keep them until its backward (false) or keep a 1/N shard")
-    p.add_argument("--mp-param-dtype", choices=sorted(MP_DTYPES), default=None,
-                   help="FSDP2 MixedPrecisionPolicy param_dtype (bfloat16 = --precision bf16-mixed)")
-    p.add_argument("--mp-reduce-dtype", choices=sorted(MP_DTYPES), default=None,
-                   help="FSDP2 MixedPrecisionPolicy reduce_dtype (default: the param dtype, as FSDP2)")
-    p.add_argument("--cpu-offload", action="store_true",
-                   help="FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer states on the host")
-    p.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
-                   help="mixture-of-experts routing the trace assumes: the busiest expert gets F times "
-                        "the mean tokens per expert (1.0: balanced)")
-    p.add_argument("--blocks", default="", metavar="GLOB[,GLOB]",
-                   help="module paths of the checkpointable blocks, e.g. 'layer*' or 'encoder.block.*' "
-                        "(default: found by structure)")
+    p.add_argument(
+        "--reshard-after-forward",
+        type=reshard_after_forward,
+        default=True,
+        metavar="true|false|N",
+        help="FSDP2 (--zero 3): free each block's gathered parameters after its forward (true), "
+        "keep them until its backward (false) or keep a 1/N shard",
+    )
+    p.add_argument(
+        "--mp-param-dtype",
+        choices=sorted(MP_DTYPES),
+        default=None,
+        help="FSDP2 MixedPrecisionPolicy param_dtype (bfloat16 = --precision bf16-mixed)",
+    )
+    p.add_argument(
+        "--mp-reduce-dtype",
+        choices=sorted(MP_DTYPES),
+        default=None,
+        help="FSDP2 MixedPrecisionPolicy reduce_dtype (default: the param dtype, as FSDP2)",
+    )
+    p.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer states on the host",
+    )
+    p.add_argument(
+        "--moe-imbalance",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="mixture-of-experts routing the trace assumes: the busiest expert gets F times "
+        "the mean tokens per expert (1.0: balanced)",
+    )
+    p.add_argument(
+        "--blocks",
+        default="",
+        metavar="GLOB[,GLOB]",
+        help="module paths of the checkpointable blocks, e.g. 'layer*' or 'encoder.block.*' "
+        "(default: found by structure)",
+    )
     p.add_argument("--json", dest="json_path", help="write the result as JSON to this path")
 
 
 def config_from_args(args, seq_len: int | None = None) -> TrainConfig:
     seq = seq_len if seq_len is not None else (args.seq_len[0] if isinstance(args.seq_len, list) else args.seq_len)
-    return TrainConfig(batch_size=args.batch_size, seq_len=seq, precision=args.precision,
-                       optimizer=args.optimizer, zero_stage=args.zero_stage, dp=args.dp, gpu=args.gpu,
-                       moe_imbalance=args.moe_imbalance, reshard_after_forward=args.reshard_after_forward,
-                       mp_param_dtype=args.mp_param_dtype, mp_reduce_dtype=args.mp_reduce_dtype,
-                       cpu_offload=args.cpu_offload,
-                       blocks=tuple(g.strip() for g in args.blocks.split(",") if g.strip()))
+    return TrainConfig(
+        batch_size=args.batch_size,
+        seq_len=seq,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        zero_stage=args.zero_stage,
+        dp=args.dp,
+        gpu=args.gpu,
+        moe_imbalance=args.moe_imbalance,
+        reshard_after_forward=args.reshard_after_forward,
+        mp_param_dtype=args.mp_param_dtype,
+        mp_reduce_dtype=args.mp_reduce_dtype,
+        cpu_offload=args.cpu_offload,
+        blocks=tuple(g.strip() for g in args.blocks.split(",") if g.strip()),
+    )
 
 
 def write_json(path: str | None, payload: dict) -> None:

@@ -14,29 +14,46 @@ from planner.units import format_bytes, parse_bytes
 
 __all__ = ["register", "run", "budget_for"]
 
-EXAMPLE = ("memplan plan --model llama-70b --gpu h100-80gb --seq-len 4096 --precision bf16-mixed "
-           "--zero 3 --dp 32 --out plan.json\n"
-           "  memplan plan --model llama-7b-tiny --batch-size 8 --seq-len 256 --budget 36MiB --offload disk "
-           "--out plan.json")
+EXAMPLE = (
+    "memplan plan --model llama-70b --gpu h100-80gb --seq-len 4096 --precision bf16-mixed "
+    "--zero 3 --dp 32 --out plan.json\n"
+    "  memplan plan --model llama-7b-tiny --batch-size 8 --seq-len 256 --budget 36MiB --offload disk "
+    "--out plan.json"
+)
 
 
 def register(add) -> None:
-    p = add("plan", "solve which activations to keep, recompute or offload under a memory budget",
-            run, EXAMPLE)
+    p = add("plan", "solve which activations to keep, recompute or offload under a memory budget", run, EXAMPLE)
     add_model_options(p, default_gpu="cpu")
-    p.add_argument("--budget", help="peak-memory budget: a size (40GiB, 123456789B) or a percentage of the no-plan "
-                                    "peak (60%%) (default: GPU capacity less --reserve)")
-    p.add_argument("--reserve", type=float, default=DEFAULT_RESERVE, help="fraction of the GPU kept free when --budget is not given")
+    p.add_argument(
+        "--budget",
+        help="peak-memory budget: a size (40GiB, 123456789B) or a percentage of the no-plan "
+        "peak (60%%) (default: GPU capacity less --reserve)",
+    )
+    p.add_argument(
+        "--reserve",
+        type=float,
+        default=DEFAULT_RESERVE,
+        help="fraction of the GPU kept free when --budget is not given",
+    )
     p.add_argument("--offload", default="none", help="allow offloading to: none, cpu, disk")
-    p.add_argument("--strategy", default="optimal",
-                   help="optimal, none, full, every-N (e.g. every-2), sqrt, op-sac (torch's op-level SAC), "
-                        "op-sac-alt (torchtitan's: also recomputes every second matmul), megatron-selective")
+    p.add_argument(
+        "--strategy",
+        default="optimal",
+        help="optimal, none, full, every-N (e.g. every-2), sqrt, op-sac (torch's op-level SAC), "
+        "op-sac-alt (torchtitan's: also recomputes every second matmul), megatron-selective",
+    )
     p.add_argument("--keep", action="append", default=[], metavar="GLOB", help="never recompute modules matching GLOB")
-    p.add_argument("--recompute", action="append", default=[], metavar="GLOB", help="always recompute modules matching GLOB")
+    p.add_argument(
+        "--recompute", action="append", default=[], metavar="GLOB", help="always recompute modules matching GLOB"
+    )
     p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="solver time limit in seconds")
     p.add_argument("--out", required=True, help="plan file to write (JSON)")
-    p.add_argument("--compile", action="store_true",
-                   help="plan for torch.compile: a per-block activation_memory_budget (writes a compiled plan)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="plan for torch.compile: a per-block activation_memory_budget (writes a compiled plan)",
+    )
 
 
 def budget_for(args) -> int | str:
@@ -52,20 +69,39 @@ def budget_for(args) -> int | str:
 
 
 def _plan_one(args, config, budget: int | str):
-    plan, rows, baseline = plan_model(args.model, config, budget, strategy=args.strategy, offload=args.offload,
-                                      keep=args.keep, recompute=args.recompute, time_limit_s=args.time_limit)
-    lines = [[r.strategy, format_bytes(r.peak_bytes), f"{r.overhead * 100:.1f}%",
-              "yes" if r.fits else "no"] for r in rows]
-    lines.append([f"{plan.strategy} (chosen)", format_bytes(plan.predicted.peak_bytes),
-                  f"{plan.predicted.overhead * 100:.1f}%", "yes"])
-    print(f"{args.model} seq {config.seq_len} batch {config.batch_size} {config.precision} on {config.gpu}: "
-          f"budget {format_bytes(plan.budget_bytes)}, no-plan peak {format_bytes(baseline)}")
+    plan, rows, baseline = plan_model(
+        args.model,
+        config,
+        budget,
+        strategy=args.strategy,
+        offload=args.offload,
+        keep=args.keep,
+        recompute=args.recompute,
+        time_limit_s=args.time_limit,
+    )
+    lines = [
+        [r.strategy, format_bytes(r.peak_bytes), f"{r.overhead * 100:.1f}%", "yes" if r.fits else "no"] for r in rows
+    ]
+    lines.append(
+        [
+            f"{plan.strategy} (chosen)",
+            format_bytes(plan.predicted.peak_bytes),
+            f"{plan.predicted.overhead * 100:.1f}%",
+            "yes",
+        ]
+    )
+    print(
+        f"{args.model} seq {config.seq_len} batch {config.batch_size} {config.precision} on {config.gpu}: "
+        f"budget {format_bytes(plan.budget_bytes)}, no-plan peak {format_bytes(baseline)}"
+    )
     print(report.table(["strategy", "peak", "overhead", "fits"], lines))
     if "moe_routing" in plan.config:
         print(describe_routing(plan.config["moe_routing"]))
     s = plan.solver
-    print(f"solver: {s.status}, added time {s.objective:.4g}s, bound {s.bound:.4g}s, gap {s.gap * 100:.2f}%, "
-          f"{s.wall_s:.1f}s; {len(plan.decisions)} decisions")
+    print(
+        f"solver: {s.status}, added time {s.objective:.4g}s, bound {s.bound:.4g}s, gap {s.gap * 100:.2f}%, "
+        f"{s.wall_s:.1f}s; {len(plan.decisions)} decisions"
+    )
     return plan, rows
 
 

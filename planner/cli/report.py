@@ -14,6 +14,7 @@ from planner.units import format_bytes, format_count
 
 __all__ = ["configurations_table", "plot_sweep", "plot_timeline", "table", "timeline_table"]
 
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A plain aligned text table (numbers right-aligned)."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
@@ -40,8 +41,8 @@ def timeline_table(result: dict, capacity_bytes: int | None = None) -> str:
         f"{result['peak_op']} (module '{result['peak_module'] or '<root>'}')",
         table(["category", "at peak"], rows),
         "",
-        "model states per device: " + ", ".join(
-            f"{k} {format_bytes(v)}" for k, v in result["model_states"].items())
+        "model states per device: "
+        + ", ".join(f"{k} {format_bytes(v)}" for k, v in result["model_states"].items())
         + f"; {format_count(result['num_parameters'])} parameters",
     ]
     if "moe_routing" in result.get("config", {}):
@@ -49,8 +50,10 @@ def timeline_table(result: dict, capacity_bytes: int | None = None) -> str:
     if capacity_bytes:
         free = capacity_bytes - result["peak_bytes"]
         verdict = "fits" if free >= 0 else "does NOT fit"
-        lines.append(f"device capacity {format_bytes(capacity_bytes)}: {verdict} "
-                     f"({'headroom' if free >= 0 else 'short by'} {format_bytes(abs(free))})")
+        lines.append(
+            f"device capacity {format_bytes(capacity_bytes)}: {verdict} "
+            f"({'headroom' if free >= 0 else 'short by'} {format_bytes(abs(free))})"
+        )
     return "\n".join(lines)
 
 
@@ -101,8 +104,10 @@ def plot_timeline(result: dict, path: str, capacity_bytes: int | None = None) ->
             ax.axvline(phases.index(phase), color="gray", linewidth=0.8)
             ax.text(phases.index(phase), ax.get_ylim()[1] * (0.97 - 0.05 * k), " " + phase, fontsize=8, va="top")
     cfg = result.get("config", {})
-    ax.set_title(f"{cfg.get('model', '')} batch {cfg.get('batch_size')} seq {cfg.get('seq_len')} "
-                 f"{cfg.get('precision')} on {cfg.get('gpu')}: peak {format_bytes(result['peak_bytes'])}{note}")
+    ax.set_title(
+        f"{cfg.get('model', '')} batch {cfg.get('batch_size')} seq {cfg.get('seq_len')} "
+        f"{cfg.get('precision')} on {cfg.get('gpu')}: peak {format_bytes(result['peak_bytes'])}{note}"
+    )
     ax.set_xlabel("step progress (samples, in execution order)")
     ax.set_ylabel(unit)
     ax.legend(loc="upper left", fontsize=8)
@@ -111,8 +116,9 @@ def plot_timeline(result: dict, path: str, capacity_bytes: int | None = None) ->
     plt.close(fig)
 
 
-def plot_sweep(seq_lens: Sequence[int], peaks: Sequence[int], path: str, capacity_bytes: int | None,
-               title: str) -> None:
+def plot_sweep(
+    seq_lens: Sequence[int], peaks: Sequence[int], path: str, capacity_bytes: int | None, title: str
+) -> None:
     """Peak against sequence length with the device capacity line, written as PNG."""
     import matplotlib
 
@@ -135,17 +141,47 @@ def plot_sweep(seq_lens: Sequence[int], peaks: Sequence[int], path: str, capacit
 
 def configurations_table(report: ConfigurationReport, max_rows: int) -> str:
     """The cheapest configurations that fit (fewest GPU-hours first) and the recommendation."""
-    fitting = sorted((c for c in report.configurations if c.fits),
-                     key=lambda c: (c.gpu_hours_per_million_tokens, c.gpus))
-    rows = [[c.gpus, c.optimizer, "yes" if c.cpu_offload else "no", "yes" if c.plan else "no",
-             f"{c.micro_batch} x {c.accumulation}", format_bytes(c.peak_bytes),
-             format_bytes(c.host_bytes) if c.cpu_offload else "-", f"{c.step_s:.3g} s",
-             f"{c.tokens_per_s_per_gpu:,.0f}", f"{c.gpu_hours_per_million_tokens:.3g}"] for c in fitting[:max_rows]]
+    fitting = sorted(
+        (c for c in report.configurations if c.fits), key=lambda c: (c.gpu_hours_per_million_tokens, c.gpus)
+    )
+    rows = [
+        [
+            c.gpus,
+            c.optimizer,
+            "yes" if c.cpu_offload else "no",
+            "yes" if c.plan else "no",
+            f"{c.micro_batch} x {c.accumulation}",
+            format_bytes(c.peak_bytes),
+            format_bytes(c.host_bytes) if c.cpu_offload else "-",
+            f"{c.step_s:.3g} s",
+            f"{c.tokens_per_s_per_gpu:,.0f}",
+            f"{c.gpu_hours_per_million_tokens:.3g}",
+        ]
+        for c in fitting[:max_rows]
+    ]
     lines = [f"configurations that fit ({len(fitting)} of {len(report.configurations)} tried; fewest GPU-hours first):"]
     if rows:
-        lines.append(table(["GPUs", "optimizer", "host offload", "plan", "micro-batch x steps", "peak / GPU",
-                            "host / GPU", "step time", "tokens/s/GPU", "GPU-h / M tokens"], rows))
+        lines.append(
+            table(
+                [
+                    "GPUs",
+                    "optimizer",
+                    "host offload",
+                    "plan",
+                    "micro-batch x steps",
+                    "peak / GPU",
+                    "host / GPU",
+                    "step time",
+                    "tokens/s/GPU",
+                    "GPU-h / M tokens",
+                ],
+                rows,
+            )
+        )
     best = report.recommended
-    lines.append(f"recommended: {best.label} ({best.gpu_hours_per_million_tokens:.3g} GPU-hours per million tokens)"
-                 if best else "recommended: none fits; raise --max-gpus, shorten the sequence or the batch")
+    lines.append(
+        f"recommended: {best.label} ({best.gpu_hours_per_million_tokens:.3g} GPU-hours per million tokens)"
+        if best
+        else "recommended: none fits; raise --max-gpus, shorten the sequence or the batch"
+    )
     return "\n".join(lines)

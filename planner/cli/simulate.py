@@ -10,8 +10,10 @@ from planner.units import format_bytes
 
 __all__ = ["register", "run"]
 
-EXAMPLE = ("memplan simulate --model llama-7b --gpu h100-80gb --seq-len 4096 --precision bf16-mixed\n"
-           "  memplan simulate --model gpt2 --seq-len 512,1024,2048 --gpu a100-40gb --plot sweep.png")
+EXAMPLE = (
+    "memplan simulate --model llama-7b --gpu h100-80gb --seq-len 4096 --precision bf16-mixed\n"
+    "  memplan simulate --model gpt2 --seq-len 512,1024,2048 --gpu a100-40gb --plot sweep.png"
+)
 
 
 def register(add) -> None:
@@ -33,15 +35,32 @@ def run(args) -> None:
         return
     results = simulate_sweep(args.model, [config_from_args(args, s) for s in args.seq_len], args.plan)
     fitting = [s for s, r in zip(args.seq_len, results) if r["peak_bytes"] <= capacity]
-    rows = [[s, format_bytes(r["peak_bytes"]), r["peak_phase"], r["peak_op"],
-             "yes" if r["peak_bytes"] <= capacity else "no"] for s, r in zip(args.seq_len, results)]
+    rows = [
+        [
+            s,
+            format_bytes(r["peak_bytes"]),
+            r["peak_phase"],
+            r["peak_op"],
+            "yes" if r["peak_bytes"] <= capacity else "no",
+        ]
+        for s, r in zip(args.seq_len, results)
+    ]
     print(report.table(["seq_len", "peak", "phase", "op at peak", f"fits {args.gpu}"], rows))
     longest = max(fitting) if fitting else None
-    print(f"longest sequence that fits on {args.gpu} ({format_bytes(capacity)}): "
-          f"{longest if longest else 'none of those tried'}")
-    write_json(args.json_path, {"sweep": results, "seq_lens": args.seq_len,
-                                 "longest_fitting_seq_len": longest, "capacity_bytes": capacity})
+    print(
+        f"longest sequence that fits on {args.gpu} ({format_bytes(capacity)}): "
+        f"{longest if longest else 'none of those tried'}"
+    )
+    write_json(
+        args.json_path,
+        {"sweep": results, "seq_lens": args.seq_len, "longest_fitting_seq_len": longest, "capacity_bytes": capacity},
+    )
     if args.plot:
-        report.plot_sweep(args.seq_len, [r["peak_bytes"] for r in results], args.plot, capacity,
-                          f"{args.model} on {args.gpu}, batch {args.batch_size}, {args.precision}")
+        report.plot_sweep(
+            args.seq_len,
+            [r["peak_bytes"] for r in results],
+            args.plot,
+            capacity,
+            f"{args.model} on {args.gpu}, batch {args.batch_size}, {args.precision}",
+        )
         print(f"wrote {args.plot}")

@@ -9,8 +9,10 @@ from planner.units import format_bytes
 
 __all__ = ["register", "run"]
 
-EXAMPLE = ("memplan verify --model llama-7b-tiny --batch-size 2 --seq-len 64\n"
-           "  memplan verify --model gpt2-tiny --seq-len 64 --plan plan.json")
+EXAMPLE = (
+    "memplan verify --model llama-7b-tiny --batch-size 2 --seq-len 64\n"
+    "  memplan verify --model gpt2-tiny --seq-len 64 --plan plan.json"
+)
 
 
 def register(add) -> None:
@@ -23,8 +25,10 @@ def run(args) -> None:
     if args.gpu != "cpu":
         raise ValueError(f"verify runs the real model on this machine's CPU; drop --gpu {args.gpu}")
     results = [verify_model(args.model, config_from_args(args, s), args.plan) for s in args.seq_len]
-    rows = [[r.config["seq_len"], format_bytes(r.predicted_bytes), format_bytes(r.measured_bytes),
-             f"{r.error * 100:+.2f}%"] for r in results]
+    rows = [
+        [r.config["seq_len"], format_bytes(r.predicted_bytes), format_bytes(r.measured_bytes), f"{r.error * 100:+.2f}%"]
+        for r in results
+    ]
     print(f"{args.model}: predicted vs measured peak of live tensor bytes (CPU, {args.precision}, {args.optimizer})")
     print(report.table(["seq_len", "predicted", "measured", "error"], rows))
     write_json(args.json_path, {"results": [r.to_dict() for r in results]})

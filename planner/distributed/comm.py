@@ -60,8 +60,14 @@ class _Link:
         return self.free_at_s
 
 
-def fsdp_schedule(blocks: Sequence[BlockTimes], *, root: BlockTimes, head_forward_s: float,
-                  head_backward_s: float, reshard_after_forward: bool = True) -> CommSchedule:
+def fsdp_schedule(
+    blocks: Sequence[BlockTimes],
+    *,
+    root: BlockTimes,
+    head_forward_s: float,
+    head_backward_s: float,
+    reshard_after_forward: bool = True,
+) -> CommSchedule:
     """Makespan of one step of compute and collectives (see the module docstring).
 
     `root` holds the non-block ops before the blocks (its forward_s/backward_s: embedding forward and
@@ -93,14 +99,25 @@ def fsdp_schedule(blocks: Sequence[BlockTimes], *, root: BlockTimes, head_forwar
         link.issue(t, blocks[i].reduce_s)
     t += root.backward_s
     end = max(t, link.issue(t, root.reduce_s))
-    compute = (root.forward_s + root.backward_s + head_forward_s + head_backward_s
-               + sum(b.forward_s + b.backward_s for b in blocks))
+    compute = (
+        root.forward_s
+        + root.backward_s
+        + head_forward_s
+        + head_backward_s
+        + sum(b.forward_s + b.backward_s for b in blocks)
+    )
     return CommSchedule(compute, link.busy_s, max(0.0, end - compute))
 
 
-def fsdp_communication(graph: OpGraph, times: np.ndarray, *, dp: int, device: DeviceSpec,
-                       reduce_bytes_per_gathered_byte: float = 1.0,
-                       reshard_after_forward: bool = True) -> CommSchedule:
+def fsdp_communication(
+    graph: OpGraph,
+    times: np.ndarray,
+    *,
+    dp: int,
+    device: DeviceSpec,
+    reduce_bytes_per_gathered_byte: float = 1.0,
+    reshard_after_forward: bool = True,
+) -> CommSchedule:
     """The FSDP2 schedule of a traced step whose blocks are the FSDP units and the rest is the root.
 
     `times` are per-op seconds; gathered bytes are the blocks' traced parameter bytes (a ZeRO-3 trace
@@ -119,17 +136,24 @@ def fsdp_communication(graph: OpGraph, times: np.ndarray, *, dp: int, device: De
         reduce = collective_time_s(int(gathered_bytes * reduce_bytes_per_gathered_byte), dp, device)
         return BlockTimes(forward_s, backward_s, gather, reduce)
 
-    blocks = [unit(float(times[r.fwd_start:r.fwd_end].sum()), float(times[r.bwd_start:r.bwd_end].sum()),
-                   r.param_bytes) for r in regions]
+    blocks = [
+        unit(float(times[r.fwd_start : r.fwd_end].sum()), float(times[r.bwd_start : r.bwd_end].sum()), r.param_bytes)
+        for r in regions
+    ]
     in_blocks = sum(b.forward_s + b.backward_s for b in blocks)
     first, last = regions[0], regions[-1]
-    pre_forward = float(times[:first.fwd_start].sum())
-    head_forward = float(times[last.fwd_end:graph.backward_start].sum())
-    head_backward = float(times[graph.backward_start:min(r.bwd_start for r in regions)].sum())
+    pre_forward = float(times[: first.fwd_start].sum())
+    head_forward = float(times[last.fwd_end : graph.backward_start].sum())
+    head_backward = float(times[graph.backward_start : min(r.bwd_start for r in regions)].sum())
     root_backward = float(times.sum()) - in_blocks - pre_forward - head_forward - head_backward
     root = unit(pre_forward, max(0.0, root_backward), root_bytes)
-    return fsdp_schedule(blocks, root=root, head_forward_s=head_forward, head_backward_s=head_backward,
-                         reshard_after_forward=reshard_after_forward)
+    return fsdp_schedule(
+        blocks,
+        root=root,
+        head_forward_s=head_forward,
+        head_backward_s=head_backward,
+        reshard_after_forward=reshard_after_forward,
+    )
 
 
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default gradient bucket
@@ -150,11 +174,16 @@ def step_communication(graph: OpGraph, times: np.ndarray, config: TrainConfig, d
         return CommSchedule(float(times.sum()), 0.0, 0.0)
     if config.zero_stage == 3:
         gathered_itemsize, reduce_itemsize = fsdp_itemsizes(graph, config)
-        return fsdp_communication(graph, times, dp=dp, device=device,
-                                  reduce_bytes_per_gathered_byte=reduce_itemsize / gathered_itemsize,
-                                  reshard_after_forward=config.reshard_after_forward is not False)
+        return fsdp_communication(
+            graph,
+            times,
+            dp=dp,
+            device=device,
+            reduce_bytes_per_gathered_byte=reduce_itemsize / gathered_itemsize,
+            reshard_after_forward=config.reshard_after_forward is not False,
+        )
     grad_bytes = sum(t.nbytes for t in graph.tensors.values() if t.category == "gradient")
     comm = 2 * collective_time_s(grad_bytes, dp, device)
     last_bucket = 2 * collective_time_s(min(grad_bytes, DDP_BUCKET_BYTES), dp, device)
-    backward_s = float(times[graph.backward_start:].sum())
+    backward_s = float(times[graph.backward_start :].sum())
     return CommSchedule(float(times.sum()), comm, max(comm - backward_s, last_bucket))

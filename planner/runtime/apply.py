@@ -46,7 +46,6 @@ from planner.tracing.hf import disable_kv_cache
 __all__ = ["ModulePlan", "PlanHandle", "apply_plan", "returns_tensor", "batch_seq_len"]
 
 
-
 def returns_tensor(func: Any) -> bool:
     """Whether an op overload's schema returns at least one Tensor (how memplan's trace names ops)."""
     return any("Tensor" in str(r.type) for r in func._schema.returns)
@@ -81,18 +80,6 @@ def selective_context_fn(keep_ops: frozenset[str]) -> Callable[[], tuple[Any, An
 # ---------------------------------------------------------------- offload
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 # ---------------------------------------------------------------- sequence length
 
 
@@ -101,8 +88,10 @@ def batch_seq_len(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
     for t in tree_leaves((list(args), list(kwargs.values()))):
         if isinstance(t, torch.Tensor) and t.dim() >= 2:
             return int(t.shape[1])
-    raise ValueError("cannot read the batch's sequence length for the plan ladder: pass a tensor "
-                     "with at least 2 dims (batch, seq, ...) to the model")
+    raise ValueError(
+        "cannot read the batch's sequence length for the plan ladder: pass a tensor "
+        "with at least 2 dims (batch, seq, ...) to the model"
+    )
 
 
 # ---------------------------------------------------------------- the handle
@@ -111,8 +100,9 @@ def batch_seq_len(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
 class PlanHandle:
     """The applied plan: restores the model on remove() (idempotent); a context manager."""
 
-    def __init__(self, model: nn.Module, plans: Mapping[int, Plan], ladder: PlanLadder | None,
-                 spill_dir: str | Path | None) -> None:
+    def __init__(
+        self, model: nn.Module, plans: Mapping[int, Plan], ladder: PlanLadder | None, spill_dir: str | Path | None
+    ) -> None:
         self.model = model
         self.ladder = ladder
         self._by_bucket = {s: module_plans(p.decisions) for s, p in plans.items()}
@@ -193,8 +183,9 @@ class PlanHandle:
     def _wrap_sequential(self, path: str, seq: nn.Sequential, spans: list[tuple[int, int, str]]) -> None:
         """Run an nn.Sequential child by child, each planned segment of children as one unit."""
         if getattr(seq.forward, "_memplan_wrapper", False):
-            raise ValueError(f"module '{path}' already has a memplan plan applied; call remove() on "
-                             "its PlanHandle first")
+            raise ValueError(
+                f"module '{path}' already has a memplan plan applied; call remove() on its PlanHandle first"
+            )
         self._originals[path or "<root>"] = (seq, seq.__dict__.get("forward"))
         starts = {i: (j, seg) for i, j, seg in spans}
         children = list(seq)
@@ -204,6 +195,7 @@ class PlanHandle:
                 for child in children[first:last]:
                     x = child(x)
                 return x
+
             return body
 
         def forward(x: Any) -> Any:
@@ -231,8 +223,9 @@ class PlanHandle:
 
     def _wrap(self, path: str, module: nn.Module) -> None:
         if getattr(module.forward, "_memplan_wrapper", False):
-            raise ValueError(f"module '{path}' already has a memplan plan applied; call remove() on "
-                             "its PlanHandle first")
+            raise ValueError(
+                f"module '{path}' already has a memplan plan applied; call remove() on its PlanHandle first"
+            )
         own = module.__dict__.get("forward")
         original = module.forward
         self._originals[path] = (module, own)
@@ -244,23 +237,24 @@ class PlanHandle:
         forward._memplan_wrapper = True  # type: ignore[attr-defined]
         module.forward = forward
 
-    def _select_bucket(self, module: nn.Module, args: tuple[Any, ...],
-                       kwargs: dict[str, Any]) -> None:
+    def _select_bucket(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         assert self.ladder is not None
         seq_len = batch_seq_len(args, kwargs)
         plan, beyond = self.ladder.plan_for(seq_len)
         if beyond:
             longest = self.ladder.buckets[-1][0]
-            warnings.warn(f"batch sequence length {seq_len} is longer than the ladder's longest "
-                          f"bucket {longest}; using that bucket's plan", stacklevel=2)
+            warnings.warn(
+                f"batch sequence length {seq_len} is longer than the ladder's longest "
+                f"bucket {longest}; using that bucket's plan",
+                stacklevel=2,
+            )
         bucket = int(plan.config["seq_len"])
         self.active_seq_len = seq_len
         self.active_bucket = bucket
         self._active = self._by_bucket[bucket]
 
     # -- running ----------------------------------------------------------------------
-    def _run(self, path: str, original: Callable[..., Any], args: tuple[Any, ...],
-             kwargs: dict[str, Any]) -> Any:
+    def _run(self, path: str, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         mp = self._active.get(path)  # decided now; a checkpoint's recompute reuses this choice
         if mp is None or mp.action == "keep":
             return original(*args, **kwargs)
@@ -269,16 +263,15 @@ class PlanHandle:
         return self._offload(original, mp, args, kwargs)
 
     @staticmethod
-    def _recompute(original: Callable[..., Any], mp: ModulePlan, args: tuple[Any, ...],
-                   kwargs: dict[str, Any]) -> Any:
+    def _recompute(original: Callable[..., Any], mp: ModulePlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         fn = functools.partial(original, **kwargs) if kwargs else original
         if mp.keep_ops:
-            return checkpoint(fn, *args, use_reentrant=False,
-                              context_fn=selective_context_fn(mp.keep_ops))
+            return checkpoint(fn, *args, use_reentrant=False, context_fn=selective_context_fn(mp.keep_ops))
         return checkpoint(fn, *args, use_reentrant=False)
 
-    def _offload(self, original: Callable[..., Any], mp: ModulePlan, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> Any:
+    def _offload(
+        self, original: Callable[..., Any], mp: ModulePlan, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         stay = storage_ptrs(itertools.chain(self.model.parameters(), self.model.buffers()))
         stay |= storage_ptrs(tree_leaves((list(args), list(kwargs.values()))))
 
@@ -322,8 +315,10 @@ class PlanHandle:
         self._hooks.clear()
         for path, (module, own) in self._originals.items():
             if not getattr(module.__dict__.get("forward"), "_memplan_wrapper", False):
-                warnings.warn(f"module '{path}'.forward was replaced after the plan was applied; "
-                              "leaving it as it is", stacklevel=2)
+                warnings.warn(
+                    f"module '{path}'.forward was replaced after the plan was applied; leaving it as it is",
+                    stacklevel=2,
+                )
                 continue
             if own is None:
                 del module.forward
@@ -348,8 +343,9 @@ class PlanHandle:
         self.remove()
 
 
-def apply_plan(model: nn.Module, plan_or_path: Plan | PlanLadder | str | Path, *,
-               spill_dir: str | Path | None = None) -> PlanHandle:
+def apply_plan(
+    model: nn.Module, plan_or_path: Plan | PlanLadder | str | Path, *, spill_dir: str | Path | None = None
+) -> PlanHandle:
     """Make `model` follow a plan (or a ladder of plans); returns the handle that undoes it.
 
     `spill_dir` is where disk offload writes (a fresh `memplan-spill-*` folder is made in it,
@@ -363,8 +359,9 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | PlanLadder | str | Path, *
         plans = {int(plan.config["seq_len"]): plan}
         ladder = None
     else:
-        raise ValueError(f"apply_plan takes a Plan, PlanLadder or plan file path, got "
-                         f"{type(plan).__name__}; load it with load_plan")
+        raise ValueError(
+            f"apply_plan takes a Plan, PlanLadder or plan file path, got {type(plan).__name__}; load it with load_plan"
+        )
     for p in plans.values():
         check_plan_matches(p, model)
     handle = PlanHandle(model, plans, ladder, spill_dir)

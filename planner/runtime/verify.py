@@ -21,8 +21,6 @@ from planner.tracing.recorder import loss_of, run_step_inputs
 __all__ = ["Measurement", "make_optimizer", "measure_step"]
 
 
-
-
 @dataclass(frozen=True)
 class Measurement:
     """Peak of live tensor bytes over one measured step (after a warm-up step)."""
@@ -70,8 +68,14 @@ def measure_step(model: nn.Module, inputs, config: TrainConfig) -> Measurement:
     for p in model.parameters():
         p.grad = None
     tracker = LiveBytesTracker()
-    tracker.track_all([list(model.parameters()), list(model.buffers()), inputs,
-                       optimizer.state_dict()["state"] if optimizer is not None else []])
+    tracker.track_all(
+        [
+            list(model.parameters()),
+            list(model.buffers()),
+            inputs,
+            optimizer.state_dict()["state"] if optimizer is not None else [],
+        ]
+    )
     start = tracker.live_bytes
     with tracker:
         loss = _step(model, inputs, optimizer, config.precision)

@@ -46,8 +46,13 @@ def op_times(graph: OpGraph, device: DeviceSpec) -> np.ndarray:
     for op in graph.ops:
         if op.flops == 0 and not op.allocs:
             continue
-        out[op.index] = op_time_s(op.flops, op.bytes_accessed, _DTYPES.get(op.dtype, torch.float32), device,
-                                  attention=op.name in ATTENTION_OPS or op.name in ATTENTION_BACKWARD_OPS)
+        out[op.index] = op_time_s(
+            op.flops,
+            op.bytes_accessed,
+            _DTYPES.get(op.dtype, torch.float32),
+            device,
+            attention=op.name in ATTENTION_OPS or op.name in ATTENTION_BACKWARD_OPS,
+        )
     return out
 
 
@@ -76,8 +81,9 @@ def storage_bytes(graph: OpGraph, config: TrainConfig) -> dict[int, int]:
 def model_states_for(graph: OpGraph, config: TrainConfig) -> ModelStates:
     precision = get_precision(config.precision)
     foreach = get_device(config.gpu).is_cuda
-    states = model_state_bytes(graph.param_shapes, precision, config.optimizer, config.zero_stage,
-                               config.dp, foreach=foreach)
+    states = model_state_bytes(
+        graph.param_shapes, precision, config.optimizer, config.zero_stage, config.dp, foreach=foreach
+    )
     if config.cpu_offload:  # FSDP2 CPUOffloadPolicy: sharded states and the optimizer step live on the host
         return replace(states, parameter=0, gradient=0, optimizer=0, optimizer_step_temporary=0)
     return states

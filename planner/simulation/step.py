@@ -45,9 +45,6 @@ from planner.tracing.graph import CATEGORIES, OpGraph
 __all__ = ["Timeline", "simulate", "step_events"]
 
 
-
-
-
 @dataclass(frozen=True)
 class Timeline:
     """Memory of one step over time, per category, with the peak and who causes it."""
@@ -76,10 +73,16 @@ class Timeline:
         step = max(1, -(-n // max_points))
         rows = []
         for start in range(0, n, step):
-            k = start + int(np.argmax(total[start:start + step]))
-            rows.append({"index": k, "op_index": int(self.op_index[k]), "phase": self.phases[k],
-                         "total_bytes": int(total[k]),
-                         **{c: int(v) for c, v in zip(CATEGORIES, self.by_category[k])}})
+            k = start + int(np.argmax(total[start : start + step]))
+            rows.append(
+                {
+                    "index": k,
+                    "op_index": int(self.op_index[k]),
+                    "phase": self.phases[k],
+                    "total_bytes": int(total[k]),
+                    **{c: int(v) for c, v in zip(CATEGORIES, self.by_category[k])},
+                }
+            )
         return {
             "peak_bytes": self.peak_bytes,
             "peak_phase": self.peak_phase,
@@ -92,8 +95,6 @@ class Timeline:
             "config": dict(self.config),
             "timeline": rows,
         }
-
-
 
 
 class _Memory:
@@ -111,8 +112,6 @@ class _Memory:
         for c, v in (extra or {}).items():
             values[c] += v
         self.samples.append((op_index, phase, op, module, tuple(values[c] for c in CATEGORIES)))
-
-
 
 
 def _block_transients(graph: OpGraph, config: TrainConfig, scale: dict[str, float]) -> dict[int, dict[str, int]]:
@@ -135,24 +134,22 @@ def _block_transients(graph: OpGraph, config: TrainConfig, scale: dict[str, floa
         if t.category == "gradient" and t.alloc_op >= 0:
             grad_bytes[t.alloc_op] += t.nbytes
     for r in graph.regions:
-        produced = np.cumsum(grad_bytes[r.bwd_start:r.bwd_end])
+        produced = np.cumsum(grad_bytes[r.bwd_start : r.bwd_end])
         for i, nbytes in zip(range(r.bwd_start, r.bwd_end), produced):
             if nbytes:
                 out[i]["gradient"] += int(nbytes * unsharded)
     return dict(out)
 
 
-
-
-def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
-             choices: Sequence[SpanChoice] = ()) -> Timeline:
+def simulate(
+    graph: OpGraph, config: TrainConfig | None = None, plan=None, choices: Sequence[SpanChoice] = ()
+) -> Timeline:
     """Simulate one training step of a traced graph, optionally under a plan (or span choices)."""
     if plan is not None:
         choices = list(choices) + choices_from_decisions(graph, plan.decisions)
     if choices and not graph.meta.get("natural_lifetimes", True):
         raise TraceError("this trace was made with lifetimes=False; trace again with lifetimes=True to simulate a plan")
-    config = config or TrainConfig(batch_size=graph.meta.get("batch_size", 1),
-                                   seq_len=graph.meta.get("seq_len", 1))
+    config = config or TrainConfig(batch_size=graph.meta.get("batch_size", 1), seq_len=graph.meta.get("seq_len", 1))
     device = get_device(config.gpu)
     scale = category_scale(graph, config)
     states = model_states_for(graph, config)
@@ -187,9 +184,12 @@ def simulate(graph: OpGraph, config: TrainConfig | None = None, plan=None,
     comm = step_communication(graph, times, config, device)
     costs = StepCosts(
         step_s=float(times.sum()) + optimizer_s + recompute_s + exposed + comm.exposed_communication_s,
-        recompute_flops=int(sum(e.recompute_flops for e in effects)), recompute_s=recompute_s,
-        offload_bytes=int(sum(tr.nbytes for tr in transfers)), exposed_offload_s=exposed,
-        communication_s=comm.communication_s, exposed_communication_s=comm.exposed_communication_s,
+        recompute_flops=int(sum(e.recompute_flops for e in effects)),
+        recompute_s=recompute_s,
+        offload_bytes=int(sum(tr.nbytes for tr in transfers)),
+        exposed_offload_s=exposed,
+        communication_s=comm.communication_s,
+        exposed_communication_s=comm.exposed_communication_s,
     )
     return _timeline(mem, states, graph, config, costs)
 
@@ -213,18 +213,22 @@ def step_events(graph: OpGraph, sizes: Mapping[int, int], effects: Sequence[Choi
     return [sorted(slot, key=by_stage) if len(slot) > 1 else slot for slot in slots]
 
 
-def _timeline(mem: _Memory, states: ModelStates, graph: OpGraph, config: TrainConfig,
-              costs: StepCosts) -> Timeline:
+def _timeline(mem: _Memory, states: ModelStates, graph: OpGraph, config: TrainConfig, costs: StepCosts) -> Timeline:
     by_category = np.array([s[4] for s in mem.samples], dtype=np.int64).reshape(-1, len(CATEGORIES))
     total = by_category.sum(axis=1)
     k = int(np.argmax(total))
     op_index, phase, op, module, _ = mem.samples[k]
     return Timeline(
-        peak_bytes=int(total[k]), peak_phase=phase, peak_op=op, peak_module=module,
+        peak_bytes=int(total[k]),
+        peak_phase=phase,
+        peak_op=op,
+        peak_module=module,
         breakdown_at_peak={c: int(v) for c, v in zip(CATEGORIES, by_category[k])},
-        model_states={"parameter": states.parameter, "gradient": states.gradient,
-                      "optimizer": states.optimizer},
-        num_parameters=states.num_parameters, costs=costs, config={**config.to_dict(), **graph.assumptions()},
-        op_index=np.array([s[0] for s in mem.samples]), phases=tuple(s[1] for s in mem.samples),
+        model_states={"parameter": states.parameter, "gradient": states.gradient, "optimizer": states.optimizer},
+        num_parameters=states.num_parameters,
+        costs=costs,
+        config={**config.to_dict(), **graph.assumptions()},
+        op_index=np.array([s[0] for s in mem.samples]),
+        phases=tuple(s[1] for s in mem.samples),
         by_category=by_category,
     )

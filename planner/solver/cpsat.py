@@ -60,8 +60,6 @@ class SolveResult:
     num_variables: int
 
 
-
-
 def _match(paths: Sequence[str], patterns: Sequence[str], flag: str) -> set[str]:
     out: set[str] = set()
     for pattern in patterns:
@@ -71,12 +69,6 @@ def _match(paths: Sequence[str], patterns: Sequence[str], flag: str) -> set[str]
             raise MemplanError(f"{flag} '{pattern}' matches no checkpointable module; they are: {sample}")
         out |= hit
     return out
-
-
-
-
-
-
 
 
 # -- the CP-SAT model ---------------------------------------------------------------------------
@@ -95,7 +87,7 @@ class _Problem:
         chosen = [e for effs, k in zip(self.effects, picks) if (e := effs[k]) is not None]
         curve = self.base_post.copy()
         for e in chosen:
-            curve[e.lo:e.hi] += e.delta
+            curve[e.lo : e.hi] += e.delta
         peak = max(int(curve.max(initial=0)), self.optimizer_peak)
         for e in chosen:
             b = e.replay_at
@@ -106,8 +98,9 @@ class _Problem:
         return peak
 
 
-def _problem(graph: OpGraph, config: TrainConfig, offload: str | None, keep: set[str],
-             force: set[str], times: np.ndarray) -> _Problem:
+def _problem(
+    graph: OpGraph, config: TrainConfig, offload: str | None, keep: set[str], force: set[str], times: np.ndarray
+) -> _Problem:
     base = simulate(graph, config)
     total = base.total
     sizes = storage_bytes(graph, config)
@@ -120,25 +113,36 @@ def _problem(graph: OpGraph, config: TrainConfig, offload: str | None, keep: set
         else:
             opts = block_options(graph, span, times, offload)
             if span.path in force:
-                opts = [o for o in opts if o.choice is not None and o.choice.mode == "recompute"
-                        and o.choice.span.path == span.path]
+                opts = [
+                    o
+                    for o in opts
+                    if o.choice is not None and o.choice.mode == "recompute" and o.choice.span.path == span.path
+                ]
         effs = [None if o.choice is None else option_effect(graph, o.choice, times, device, sizes) for o in opts]
         opts, effs = _undominated(opts, effs)
         options.append(opts)
         effects.append(effs)
     n = len(graph.ops)
     clock = np.concatenate([[0.0], np.cumsum(times)])
-    return _Problem(total[:n].astype(np.int64), total[:n].astype(np.int64) - allocs, int(total[n]), options, effects,
-                    clock, graph.backward_start)
+    return _Problem(
+        total[:n].astype(np.int64),
+        total[:n].astype(np.int64) - allocs,
+        int(total[n]),
+        options,
+        effects,
+        clock,
+        graph.backward_start,
+    )
 
 
 def _undominated(opts: list[BlockOption], effs: list[OptionEffect | None]):
     """Drop options that cost at least as much as another and never use less memory."""
+
     def profile(e: OptionEffect | None, length: int, lo: int):
         if e is None:
             return 0.0, np.zeros(length, dtype=np.int64), 0, 0.0
         d = np.zeros(length, dtype=np.int64)
-        d[e.lo - lo:e.hi - lo] = e.delta
+        d[e.lo - lo : e.hi - lo] = e.delta
         # an offload's store adds between 0 and store_s to the link's stall
         return e.cost_s, d, e.replay_peak or 0, e.cost_s + e.store_s
 
@@ -187,8 +191,10 @@ def _blocks(p: _Problem) -> list[_Block | None]:
         rows = np.zeros((len(effs), hi - lo), dtype=np.int64)
         for k, e in enumerate(effs):
             if e is not None:
-                rows[k, e.lo - lo:e.hi - lo] = e.delta
-        padded = np.concatenate([np.zeros((len(effs), 1), dtype=np.int64), rows, np.zeros((len(effs), 1), dtype=np.int64)], axis=1)
+                rows[k, e.lo - lo : e.hi - lo] = e.delta
+        padded = np.concatenate(
+            [np.zeros((len(effs), 1), dtype=np.int64), rows, np.zeros((len(effs), 1), dtype=np.int64)], axis=1
+        )
         changed = np.flatnonzero(np.any(np.diff(padded, axis=1) != 0, axis=0)) + lo
         edges = np.unique(np.concatenate([[lo], changed, [hi]]))
         widths = np.diff(edges)
@@ -264,10 +270,16 @@ def _solve_cpsat(p: _Problem, budget: int, time_limit_s: float, n: int):
                 continue  # never above the op's own sample, which a segment row bounds
             row(b, b + 1, int(p.base_pre[b]), own=r, own_terms=up(eff.replay_peak) * y[r][k])
     costs = [[0.0 if e is None else e.cost_s for e in effs] for effs in p.effects]
-    stores = [(e.transfer.ready_op, e.store_s, y[r][k]) for r, effs in enumerate(p.effects)
-              for k, e in enumerate(effs) if e is not None and e.transfer is not None]
-    scale_s = max(max((c for row_ in costs for c in row_), default=0.0),
-                  max((s for _, s, _ in stores), default=0.0), 1e-12) / 1_000_000
+    stores = [
+        (e.transfer.ready_op, e.store_s, y[r][k])
+        for r, effs in enumerate(p.effects)
+        for k, e in enumerate(effs)
+        if e is not None and e.transfer is not None
+    ]
+    scale_s = (
+        max(max((c for row_ in costs for c in row_), default=0.0), max((s for _, s, _ in stores), default=0.0), 1e-12)
+        / 1_000_000
+    )
     objective = sum(int(round(c / scale_s)) * y[r][k] for r, row_ in enumerate(costs) for k, c in enumerate(row_))
     model.Minimize(objective + _link_stall(model, p, stores, scale_s))
     solver = cp_model.CpSolver()
@@ -288,8 +300,7 @@ def _solve_cpsat(p: _Problem, budget: int, time_limit_s: float, n: int):
     return name, picks, solver.ObjectiveValue() * scale_s, solver.BestObjectiveBound() * scale_s, sum(len(r) for r in y)
 
 
-def _link_stall(model: cp_model.CpModel, p: _Problem, stores: list[tuple[int, float, cp_model.IntVar]],
-                scale_s: float):
+def _link_stall(model: cp_model.CpModel, p: _Problem, stores: list[tuple[int, float, cp_model.IntVar]], scale_s: float):
     """The stall of the one transfer link when the backward starts, in units of `scale_s`, as
     :func:`planner.simulation.effects.exposed_transfer_s` prices it: the link ends at max over k
     of (ready_k + the stores queued from k on), so stall >= that minus the deadline, and >= 0."""
@@ -333,23 +344,35 @@ def _offload_hint(config: TrainConfig, offload: str | None) -> str:
     return " (offload to disk is already counted in that peak)"
 
 
-def _infeasible(graph: OpGraph, config: TrainConfig, budget: int, p: _Problem,
-                offload: str | None) -> InfeasibleBudget:
+def _infeasible(graph: OpGraph, config: TrainConfig, budget: int, p: _Problem, offload: str | None) -> InfeasibleBudget:
     best = simulate(graph, config, choices=_min_peak_choices(p))
     top = max(best.breakdown_at_peak.items(), key=lambda kv: kv[1])
     return InfeasibleBudget(
         f"budget {format_bytes(budget)} is infeasible: the smallest peak memplan can reach is "
         f"{format_bytes(best.peak_bytes)} ({best.peak_bytes} B) in {best.peak_phase} at {best.peak_op}, "
         f"dominated by {top[0]} ({format_bytes(top[1])}); raise --budget to at least that, or cut model "
-        "states (--precision bf16-mixed, --optimizer adamw-8bit, --zero 3 --dp N)" + _offload_hint(config, offload)
-        + ("" if graph.regions else "; memplan found no blocks to checkpoint in this model (blocks are the "
-           "children of nn.ModuleList, nn.Sequential or nn.ModuleDict containers)"),
+        "states (--precision bf16-mixed, --optimizer adamw-8bit, --zero 3 --dp N)"
+        + _offload_hint(config, offload)
+        + (
+            ""
+            if graph.regions
+            else "; memplan found no blocks to checkpoint in this model (blocks are the "
+            "children of nn.ModuleList, nn.Sequential or nn.ModuleDict containers)"
+        ),
         smallest_peak_bytes=best.peak_bytes,
     )
 
 
-def solve_choices(graph: OpGraph, config: TrainConfig, budget_bytes: int, *, offload: str | None = None,
-                  keep: Sequence[str] = (), recompute: Sequence[str] = (), time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> SolveResult:
+def solve_choices(
+    graph: OpGraph,
+    config: TrainConfig,
+    budget_bytes: int,
+    *,
+    offload: str | None = None,
+    keep: Sequence[str] = (),
+    recompute: Sequence[str] = (),
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+) -> SolveResult:
     """Cheapest span choices whose simulated peak fits `budget_bytes` (CP-SAT, deterministic)."""
     if budget_bytes <= 0:
         raise MemplanError(f"budget must be positive, got {budget_bytes}")
@@ -375,15 +398,27 @@ def solve_choices(graph: OpGraph, config: TrainConfig, budget_bytes: int, *, off
     if picks is None:
         if status == "INFEASIBLE":
             raise _infeasible(graph, config, budget_bytes, p, offload)
-        raise SolverTimeout(f"the solver found no plan within --time-limit {time_limit_s:g}s ({status}); "
-                            "raise --time-limit")
+        raise SolverTimeout(
+            f"the solver found no plan within --time-limit {time_limit_s:g}s ({status}); raise --time-limit"
+        )
     chosen = [p.options[r][k] for r, k in enumerate(picks)]
     choices = tuple(o.choice for o in chosen if o.choice is not None)
     timeline = simulate(graph, config, choices=choices)
     model_peak = p.peak_bytes(picks)
     assert timeline.peak_bytes == model_peak <= budget_bytes, (
         f"the solver's model ({model_peak} B) and the simulator ({timeline.peak_bytes} B) disagree "
-        f"on the plan's peak under a budget of {budget_bytes} B")
+        f"on the plan's peak under a budget of {budget_bytes} B"
+    )
     gap = (objective - bound) / objective if objective > 0 else 0.0
-    return SolveResult("optimal", choices, tuple(o.name for o in chosen), timeline, status,
-                       objective, bound, max(0.0, gap), time.perf_counter() - t0, nvars)
+    return SolveResult(
+        "optimal",
+        choices,
+        tuple(o.name for o in chosen),
+        timeline,
+        status,
+        objective,
+        bound,
+        max(0.0, gap),
+        time.perf_counter() - t0,
+        nvars,
+    )

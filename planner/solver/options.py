@@ -66,8 +66,9 @@ class OptionEffect:
     store_s: float = 0.0
 
 
-def option_effect(graph: OpGraph, choice: SpanChoice, times: np.ndarray, device: DeviceSpec,
-                  sizes: Mapping[int, int]) -> OptionEffect:
+def option_effect(
+    graph: OpGraph, choice: SpanChoice, times: np.ndarray, device: DeviceSpec, sizes: Mapping[int, int]
+) -> OptionEffect:
     """How a span choice changes the curve: its events minus the traced lifetimes they replace."""
     span = choice.span
     b = span.bwd_start
@@ -103,8 +104,13 @@ def option_effect(graph: OpGraph, choice: SpanChoice, times: np.ndarray, device:
 
 def _child_spans(graph: OpGraph, path: str) -> list[ModuleSpan]:
     prefix = path + "."
-    children = sorted({op.module[len(prefix):].split(".")[0] for op in graph.ops[: graph.backward_start]
-                       if op.module.startswith(prefix)})
+    children = sorted(
+        {
+            op.module[len(prefix) :].split(".")[0]
+            for op in graph.ops[: graph.backward_start]
+            if op.module.startswith(prefix)
+        }
+    )
     spans = []
     for child in children:
         try:
@@ -114,8 +120,9 @@ def _child_spans(graph: OpGraph, path: str) -> list[ModuleSpan]:
     return spans
 
 
-def block_options(graph: OpGraph, span: ModuleSpan, times: np.ndarray, offload: str | None,
-                  max_selective: int = 6) -> list[BlockOption]:
+def block_options(
+    graph: OpGraph, span: ModuleSpan, times: np.ndarray, offload: str | None, max_selective: int = 6
+) -> list[BlockOption]:
     """Candidate options for one block (see module docstring)."""
     options = [BlockOption("keep", None), BlockOption("recompute", SpanChoice(span, "recompute"))]
     uncacheable = graph.uncacheable_ops()  # outputs mutated later: selective keeps recompute them
@@ -128,8 +135,11 @@ def block_options(graph: OpGraph, span: ModuleSpan, times: np.ndarray, offload: 
             if k >= len(ranked):
                 continue
             options.append(BlockOption(f"selective-{k}", SpanChoice(span, "recompute", frozenset(ranked[:k]))))
-    known = (("op-sac", op_sac_choice(graph, span)), ("op-sac-alt", op_sac_alt_choice(graph, span)),
-             ("megatron-selective", attention_core_choice(graph, span)))
+    known = (
+        ("op-sac", op_sac_choice(graph, span)),
+        ("op-sac-alt", op_sac_alt_choice(graph, span)),
+        ("megatron-selective", attention_core_choice(graph, span)),
+    )
     for name, choice in known:  # the known policies (solver.policies), so the solver never loses to one
         if choice is not None and choice.keep_ops:
             options.append(BlockOption(name, choice))

@@ -34,27 +34,54 @@ def decisions_for(graph: OpGraph, choices: Sequence[SpanChoice]) -> tuple[Decisi
     return tuple(out)
 
 
-def _plan(graph: OpGraph, config: TrainConfig, budget_bytes: int, strategy: str,
-          choices: Sequence[SpanChoice], timeline: Timeline, baseline_peak: int, solver: SolverInfo) -> Plan:
+def _plan(
+    graph: OpGraph,
+    config: TrainConfig,
+    budget_bytes: int,
+    strategy: str,
+    choices: Sequence[SpanChoice],
+    timeline: Timeline,
+    baseline_peak: int,
+    solver: SolverInfo,
+) -> Plan:
     costs = timeline.costs
     meta = graph.meta
     return Plan(
-        model=ModelInfo(spec=str(meta.get("model", "model")), fingerprint=meta["fingerprint"],
-                        num_parameters=graph.num_parameters, num_modules=int(meta["num_modules"])),
-        config={**config.to_dict(), **graph.assumptions()}, budget_bytes=int(budget_bytes), strategy=strategy,
+        model=ModelInfo(
+            spec=str(meta.get("model", "model")),
+            fingerprint=meta["fingerprint"],
+            num_parameters=graph.num_parameters,
+            num_modules=int(meta["num_modules"]),
+        ),
+        config={**config.to_dict(), **graph.assumptions()},
+        budget_bytes=int(budget_bytes),
+        strategy=strategy,
         decisions=decisions_for(graph, choices),
         predicted=Predicted(
-            peak_bytes=timeline.peak_bytes, baseline_peak_bytes=baseline_peak,
-            recompute_flops=costs.recompute_flops, recompute_s=costs.recompute_s,
-            offload_bytes=costs.offload_bytes, exposed_offload_s=costs.exposed_offload_s,
-            step_s=costs.step_s, overhead=costs.overhead),
+            peak_bytes=timeline.peak_bytes,
+            baseline_peak_bytes=baseline_peak,
+            recompute_flops=costs.recompute_flops,
+            recompute_s=costs.recompute_s,
+            offload_bytes=costs.offload_bytes,
+            exposed_offload_s=costs.exposed_offload_s,
+            step_s=costs.step_s,
+            overhead=costs.overhead,
+        ),
         solver=solver,
     )
 
 
-def solve(graph: OpGraph, config: TrainConfig, budget_bytes: int, *, strategy: str = "optimal",
-          offload: str | None = None, keep: Sequence[str] = (), recompute: Sequence[str] = (),
-          time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> Plan:
+def solve(
+    graph: OpGraph,
+    config: TrainConfig,
+    budget_bytes: int,
+    *,
+    strategy: str = "optimal",
+    offload: str | None = None,
+    keep: Sequence[str] = (),
+    recompute: Sequence[str] = (),
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+) -> Plan:
     """The plan of a strategy under a budget; `optimal` asks CP-SAT for the cheapest one.
 
     Raises InfeasibleBudget (a ValueError naming the smallest reachable peak) when nothing fits.
@@ -62,12 +89,17 @@ def solve(graph: OpGraph, config: TrainConfig, budget_bytes: int, *, strategy: s
     check_strategy(strategy)
     baseline = simulate(graph, config)
     if strategy == "optimal":
-        result = solve_choices(graph, config, budget_bytes, offload=offload, keep=keep,
-                               recompute=recompute, time_limit_s=time_limit_s)
-        info = SolverInfo(status=result.status, objective=result.objective_s, bound=result.bound_s,
-                          gap=result.gap, wall_s=result.wall_s)
-        return _plan(graph, config, budget_bytes, strategy, result.choices, result.timeline,
-                     baseline.peak_bytes, info)
+        result = solve_choices(
+            graph, config, budget_bytes, offload=offload, keep=keep, recompute=recompute, time_limit_s=time_limit_s
+        )
+        info = SolverInfo(
+            status=result.status,
+            objective=result.objective_s,
+            bound=result.bound_s,
+            gap=result.gap,
+            wall_s=result.wall_s,
+        )
+        return _plan(graph, config, budget_bytes, strategy, result.choices, result.timeline, baseline.peak_bytes, info)
     t0 = time.perf_counter()
     choices = strategy_choices(graph, strategy)
     timeline = simulate(graph, config, choices=choices)
@@ -75,7 +107,8 @@ def solve(graph: OpGraph, config: TrainConfig, budget_bytes: int, *, strategy: s
         raise InfeasibleBudget(
             f"strategy '{strategy}' peaks at {format_bytes(timeline.peak_bytes)}, over the budget "
             f"{format_bytes(budget_bytes)}; use --strategy optimal or raise --budget",
-            smallest_peak_bytes=timeline.peak_bytes)
+            smallest_peak_bytes=timeline.peak_bytes,
+        )
     added = timeline.costs.recompute_s + timeline.costs.exposed_offload_s
     info = SolverInfo(status="NOT_SOLVED", objective=added, bound=0.0, gap=0.0, wall_s=time.perf_counter() - t0)
     return _plan(graph, config, budget_bytes, strategy, choices, timeline, baseline.peak_bytes, info)
@@ -92,16 +125,23 @@ class StrategyRow:
     fits: bool
 
     def to_dict(self) -> dict:
-        return {"strategy": self.strategy, "peak_bytes": self.peak_bytes, "overhead": self.overhead,
-                "recompute_s": self.recompute_s, "fits": self.fits}
+        return {
+            "strategy": self.strategy,
+            "peak_bytes": self.peak_bytes,
+            "overhead": self.overhead,
+            "recompute_s": self.recompute_s,
+            "fits": self.fits,
+        }
 
 
-def compare_strategies(graph: OpGraph, config: TrainConfig, budget_bytes: int,
-                       strategies: Sequence[str] = BASELINES) -> list[StrategyRow]:
+def compare_strategies(
+    graph: OpGraph, config: TrainConfig, budget_bytes: int, strategies: Sequence[str] = BASELINES
+) -> list[StrategyRow]:
     """Simulate each baseline strategy under the same config (no budget enforcement)."""
     rows = []
     for name in strategies:
         tl = simulate(graph, config, choices=strategy_choices(graph, name))
-        rows.append(StrategyRow(name, tl.peak_bytes, tl.costs.overhead, tl.costs.recompute_s,
-                                tl.peak_bytes <= budget_bytes))
+        rows.append(
+            StrategyRow(name, tl.peak_bytes, tl.costs.overhead, tl.costs.recompute_s, tl.peak_bytes <= budget_bytes)
+        )
     return rows

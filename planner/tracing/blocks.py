@@ -54,6 +54,7 @@ def segment_children(model: nn.Module, path: str) -> list[str]:
         raise ValueError(f"segment '{path}' needs an nn.Sequential '{parent or '<root>'}' with children {i} to {j - 1}")
     return [f"{parent}.{k}" if parent else str(k) for k in range(i, j)]
 
+
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
@@ -92,7 +93,7 @@ def _flat_segments(path: str, container: nn.Sequential) -> list[str]:
     if period < 1:
         return []
     repeats = 0  # how many times the first pattern repeats from the start
-    while signatures[repeats * period:(repeats + 1) * period] == signatures[:period]:
+    while signatures[repeats * period : (repeats + 1) * period] == signatures[:period]:
         repeats += 1
     # A one-pattern segment only saves its own input, which the next one saves too: group about
     # sqrt(repeats) patterns per segment (Chen et al.), at least two.
@@ -129,8 +130,7 @@ def _found_in(path: str, module: nn.Module) -> list[str]:
     if _is_block_container(module):
         return _blocks_of(path, module)
     repeated = _repeated_children(module)
-    inner = {name: _found_in(f"{path}.{name}" if path else name, child)
-             for name, child in module.named_children()}
+    inner = {name: _found_in(f"{path}.{name}" if path else name, child) for name, child in module.named_children()}
     # Repeated stacks that hold blocks themselves (an encoder and a decoder of one shape): their blocks.
     descend = bool(repeated) and all(len(inner[name]) >= 2 for name in repeated)
     found: list[str] = []
@@ -149,11 +149,12 @@ def _matching(model: nn.Module, patterns: Sequence[str]) -> list[str]:
     for pattern in patterns:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
             tops = ", ".join(name for name, _ in model.named_children())
-            raise TraceError(f"--blocks '{pattern}' matches no module of the model; its top-level "
-                             f"modules are: {tops} (paths are dotted, e.g. 'encoder.layer*')")
+            raise TraceError(
+                f"--blocks '{pattern}' matches no module of the model; its top-level "
+                f"modules are: {tops} (paths are dotted, e.g. 'encoder.layer*')"
+            )
     for name in names:
-        if any(fnmatch.fnmatchcase(name, p) for p in patterns) and not any(
-                name.startswith(f + ".") for f in found):
+        if any(fnmatch.fnmatchcase(name, p) for p in patterns) and not any(name.startswith(f + ".") for f in found):
             found.append(name)
     return found
 

@@ -132,7 +132,7 @@ class OpGraph:
         """Storage -> the first backward op that reads it (computed once)."""
         if self._first_bwd_use is None:
             out: dict[int, int] = {}
-            for op in self.ops[self.backward_start:]:
+            for op in self.ops[self.backward_start :]:
                 for tid in op.inputs:
                     out.setdefault(tid, op.index)
             self._first_bwd_use = out

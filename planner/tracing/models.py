@@ -13,12 +13,23 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
-    "LlamaConfig", "Llama", "KwargsLlama", "CausalLMOutput",
-    "GPTConfig", "GPT", "EncoderConfig", "Encoder", "ConvNetConfig", "ConvNet", "MLPConfig", "MLP",
+    "LlamaConfig",
+    "Llama",
+    "KwargsLlama",
+    "CausalLMOutput",
+    "GPTConfig",
+    "GPT",
+    "EncoderConfig",
+    "Encoder",
+    "ConvNetConfig",
+    "ConvNet",
+    "MLPConfig",
+    "MLP",
 ]
 
 
 # ----------------------------------------------------------------------------- shared pieces
+
 
 def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     """Cross entropy of (B, S, V) logits against already aligned (B, S) labels, in fp32 like HF."""
@@ -36,6 +47,7 @@ def merge_heads(x: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- Llama
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -194,6 +206,7 @@ class KwargsLlama(Llama):
 
 # ----------------------------------------------------------------------------- GPT-2
 
+
 @dataclass(frozen=True)
 class GPTConfig:
     vocab_size: int = 50257
@@ -269,6 +282,7 @@ class GPT(nn.Module):
 
 # ----------------------------------------------------------------------------- BERT-style encoder
 
+
 @dataclass(frozen=True)
 class EncoderConfig:
     vocab_size: int = 30522
@@ -343,6 +357,7 @@ class Encoder(nn.Module):
 
 # ----------------------------------------------------------------------------- ResNet
 
+
 @dataclass(frozen=True)
 class ConvNetConfig:
     channels: tuple[int, ...] = (64, 128, 256, 512)
@@ -399,6 +414,7 @@ class ConvNet(nn.Module):
 
 
 # ----------------------------------------------------------------------------- MLP
+
 
 @dataclass(frozen=True)
 class MLPConfig:

@@ -78,8 +78,15 @@ def _untraceable(rec: OpRecorder, spec_name: str, exc: Exception) -> TraceError:
     )
 
 
-def _run(model, inputs, rec: OpRecorder, precision: str, spec_name: str,
-         saved_hooks: tuple[Callable, Callable], backward: bool) -> tuple[int, torch.Tensor]:
+def _run(
+    model,
+    inputs,
+    rec: OpRecorder,
+    precision: str,
+    spec_name: str,
+    saved_hooks: tuple[Callable, Callable],
+    backward: bool,
+) -> tuple[int, torch.Tensor]:
     """Run forward (+ backward) under `rec`; returns the first backward op's index and the loss
     (which a training loop holds through the optimizer step)."""
     try:
@@ -109,8 +116,9 @@ def _phase_of_forward_ops(ops: list[OpNode], backward_start: int) -> list[OpNode
     return out
 
 
-def _regions(model: nn.Module, graph: OpGraph, param_bytes_of: Callable[[nn.Module], int],
-             blocks: Sequence[str] = ()) -> list[Region]:
+def _regions(
+    model: nn.Module, graph: OpGraph, param_bytes_of: Callable[[nn.Module], int], blocks: Sequence[str] = ()
+) -> list[Region]:
     """The checkpointable blocks with their forward and backward op ranges.
 
     When module hooks cannot see a block's backward (an in-place op on its output rebases the
@@ -120,25 +128,41 @@ def _regions(model: nn.Module, graph: OpGraph, param_bytes_of: Callable[[nn.Modu
     regions = []
     first_use = graph.first_backward_use()
     for path in find_region_paths(model, blocks):
-        modules = ([model.get_submodule(c) for c in segment_children(model, path)] if is_segment(path)
-                   else [model.get_submodule(path)])
+        modules = (
+            [model.get_submodule(c) for c in segment_children(model, path)]
+            if is_segment(path)
+            else [model.get_submodule(path)]
+        )
         ops = graph.ops_in_module(path)
         fwd = [i for i in ops if i < graph.backward_start]
         bwd = [i for i in ops if i >= graph.backward_start]
         if fwd and not bwd:
-            saved = [t for t in graph.tensors.values()
-                     if t.saved_by and min(fwd) <= t.alloc_op <= max(fwd) and t.free_op is not None]
+            saved = [
+                t
+                for t in graph.tensors.values()
+                if t.saved_by and min(fwd) <= t.alloc_op <= max(fwd) and t.free_op is not None
+            ]
             bwd = [first_use[t.id] for t in saved if t.id in first_use] + [t.free_op - 1 for t in saved]
         if not fwd or not bwd:
             continue
         signature = "+".join(module_signature(m) for m in modules)
-        regions.append(Region(path, signature, sum(param_bytes_of(m) for m in modules),
-                              min(fwd), max(fwd) + 1, min(bwd), max(bwd) + 1))
+        regions.append(
+            Region(
+                path, signature, sum(param_bytes_of(m) for m in modules), min(fwd), max(fwd) + 1, min(bwd), max(bwd) + 1
+            )
+        )
     return regions
 
 
-def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp32",
-                name: str = "model", lifetimes: bool = True, blocks: Sequence[str] = ()) -> OpGraph:
+def trace_model(
+    model: nn.Module,
+    inputs: tuple | dict,
+    *,
+    precision: str = "fp32",
+    name: str = "model",
+    lifetimes: bool = True,
+    blocks: Sequence[str] = (),
+) -> OpGraph:
     """Trace a model whose parameters and inputs are fake tensors of the active FakeTensorMode.
 
     `lifetimes=False` skips the second forward (natural lifetimes): enough to simulate without a
@@ -178,8 +202,10 @@ def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp3
     del loss
     ops = _phase_of_forward_ops(rec.ops, backward_start)
     if lifetimes and len(natural.ops) != backward_start:
-        raise TraceError(f"model '{name}' ran a different forward twice ({len(natural.ops)} vs "
-                         f"{backward_start} ops); memplan needs a deterministic forward")
+        raise TraceError(
+            f"model '{name}' ran a different forward twice ({len(natural.ops)} vs "
+            f"{backward_start} ops); memplan needs a deterministic forward"
+        )
     alloc_key = _alloc_keys(rec)
     tensors: dict[int, TensorInfo] = {}
     for tid, st in rec.storages.items():
@@ -191,8 +217,15 @@ def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp3
         if lifetimes and 0 <= st.alloc_op < backward_start:
             natural_free = min(natural_free_by_key.get(alloc_key[tid], backward_start), backward_start)
         tensors[tid] = TensorInfo(
-            tid, st.nbytes, category, st.dtype, st.shape, st.alloc_op, free_op,
-            natural_free, tuple(sorted(set(saved_by.get(tid, ())))),
+            tid,
+            st.nbytes,
+            category,
+            st.dtype,
+            st.shape,
+            st.alloc_op,
+            free_op,
+            natural_free,
+            tuple(sorted(set(saved_by.get(tid, ())))),
         )
     # Inputs the step holds that autograd saved count as activations.
     for tid in list(tensors):
@@ -201,13 +234,20 @@ def trace_model(model: nn.Module, inputs: tuple | dict, *, precision: str = "fp3
             tensors[tid] = TensorInfo(**{**t.__dict__, "category": "activation" if t.saved_by else "temporary"})
     _drop_parameter_saves(tensors)
     graph = OpGraph(
-        ops=ops, tensors=tensors, regions=[],
-        backward_start=backward_start, pack_events=tuple((n, module) for n, module, _ in packs),
+        ops=ops,
+        tensors=tensors,
+        regions=[],
+        backward_start=backward_start,
+        pack_events=tuple((n, module) for n, module, _ in packs),
         param_shapes=[tuple(as_int(d, "a parameter") for d in p.shape) for p in params],
         param_dtype=param_dtype,
-        meta={"model": name, "precision": precision, "fingerprint": model_fingerprint(model),
-              "natural_lifetimes": lifetimes,
-              "num_modules": sum(1 for _ in model.modules())},
+        meta={
+            "model": name,
+            "precision": precision,
+            "fingerprint": model_fingerprint(model),
+            "natural_lifetimes": lifetimes,
+            "num_modules": sum(1 for _ in model.modules()),
+        },
     )
     graph.regions = _regions(model, graph, param_bytes_of, blocks)
     return graph
@@ -285,9 +325,17 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
                 module.register_buffer(name, b.to(dtype), persistent=name not in module._non_persistent_buffers_set)
 
 
-def trace(spec: str | ModelSpec, *, batch_size: int = 1, seq_len: int = 512,
-          precision: str = "fp32", gathered_params: bool = False, lifetimes: bool = True,
-          moe_imbalance: float = 1.0, blocks: Sequence[str] = ()) -> OpGraph:
+def trace(
+    spec: str | ModelSpec,
+    *,
+    batch_size: int = 1,
+    seq_len: int = 512,
+    precision: str = "fp32",
+    gathered_params: bool = False,
+    lifetimes: bool = True,
+    moe_imbalance: float = 1.0,
+    blocks: Sequence[str] = (),
+) -> OpGraph:
     """Trace one forward, loss and backward of a model spec on fake CPU tensors.
 
     Nothing is allocated: a 70B model traces on a laptop. The precision decides the parameter
@@ -308,8 +356,9 @@ def trace(spec: str | ModelSpec, *, batch_size: int = 1, seq_len: int = 512,
     with fake_model(model_spec, batch_size, seq_len, moe_imbalance) as (model, inputs, routing):
         if param_dtype != torch.float32:
             cast_parameters(model, param_dtype)
-        graph = trace_model(model, inputs, precision=traced_precision, name=model_spec.name,
-                            lifetimes=lifetimes, blocks=blocks)
+        graph = trace_model(
+            model, inputs, precision=traced_precision, name=model_spec.name, lifetimes=lifetimes, blocks=blocks
+        )
         graph.meta["precision"] = precision
     if routing.routers:  # the lifetime pass ran the routers too: count those of one forward
         routing.routers = sum(op.name == "aten.topk.default" for op in graph.ops[: graph.backward_start])

@@ -77,8 +77,10 @@ class ModelSpec:
         except Exception as e:
             raise SpecError(f"model function '{self.name}' raised {_one_line(e)}") from e
         if not (
-            isinstance(built, tuple) and len(built) == 2
-            and isinstance(built[0], nn.Module) and isinstance(built[1], (tuple, dict))
+            isinstance(built, tuple)
+            and len(built) == 2
+            and isinstance(built[0], nn.Module)
+            and isinstance(built[1], (tuple, dict))
         ):
             raise SpecError(
                 f"model function '{self.name}' must return (nn.Module, tuple or dict of inputs), got {_describe(built)}"
@@ -88,9 +90,12 @@ class ModelSpec:
 
 # ----------------------------------------------------------------------------- preset builders
 
+
 def _check_positions(seq_len: int, max_positions: int) -> None:
     if seq_len > max_positions:
-        raise SpecError(f"sequence length {seq_len} exceeds the model's {max_positions} positions; use --seq-len {max_positions} or less")
+        raise SpecError(
+            f"sequence length {seq_len} exceeds the model's {max_positions} positions; use --seq-len {max_positions} or less"
+        )
 
 
 def _build_llama(config: LlamaConfig, batch_size: int, seq_len: int) -> tuple[nn.Module, Inputs]:
@@ -127,47 +132,98 @@ def _build_mlp(config: MLPConfig, batch_size: int, seq_len: int) -> tuple[nn.Mod
 
 # ----------------------------------------------------------------------------- presets
 
+
 def _llama(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int, theta: float = 1e4) -> LlamaConfig:
     return LlamaConfig(vocab, hidden, inter, layers, heads, kv, rope_theta=theta)
 
 
 _PRESET_LIST = [
-    ModelSpec("gpt2", "GPT-2 124M: 12 layers, 768 wide, 12 heads, 1024 positions",
-              partial(_build_gpt, GPTConfig())),
-    ModelSpec("gpt2-medium", "GPT-2 355M: 24 layers, 1024 wide, 16 heads, 1024 positions",
-              partial(_build_gpt, GPTConfig(n_layer=24, n_head=16, n_embd=1024))),
-    ModelSpec("gpt2-tiny", "GPT-2 architecture, 2 layers, 64 wide, vocab 256, 128 positions",
-              partial(_build_gpt, GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=64))),
-    ModelSpec("llama-7b", "Llama-2-7B: 32 layers, hidden 4096, 32 heads",
-              partial(_build_llama, _llama(32000, 4096, 11008, 32, 32, 32))),
-    ModelSpec("llama-7b-tiny", "Llama-2-7B architecture, 2 layers, hidden 128, vocab 256",
-              partial(_build_llama, _llama(256, 128, 344, 2, 4, 4))),
-    ModelSpec("llama-13b", "Llama-2-13B: 40 layers, hidden 5120, 40 heads",
-              partial(_build_llama, _llama(32000, 5120, 13824, 40, 40, 40))),
-    ModelSpec("llama-13b-tiny", "Llama-2-13B architecture, 3 layers, hidden 160, vocab 256",
-              partial(_build_llama, _llama(256, 160, 432, 3, 5, 5))),
-    ModelSpec("llama-70b", "Llama-3-70B: 80 layers, hidden 8192, 64 query / 8 key-value heads, vocab 128256",
-              partial(_build_llama, _llama(128256, 8192, 28672, 80, 64, 8, 5e5))),
-    ModelSpec("llama-70b-tiny", "Llama-3-70B architecture, 4 layers, hidden 128, 16 query / 2 key-value heads",
-              partial(_build_llama, _llama(512, 128, 448, 4, 16, 2, 5e5))),
-    ModelSpec("mistral-7b", "Mistral-7B: 32 layers, hidden 4096, 32 query / 8 key-value heads (no sliding window)",
-              partial(_build_llama, _llama(32000, 4096, 14336, 32, 32, 8))),
-    ModelSpec("mistral-7b-tiny", "Mistral-7B architecture, 2 layers, hidden 128, 8 query / 2 key-value heads",
-              partial(_build_llama, _llama(256, 128, 448, 2, 8, 2))),
-    ModelSpec("bert-base", "BERT-base-style encoder with masked-LM head: 12 layers, 768 wide, 512 positions",
-              partial(_build_encoder, EncoderConfig())),
-    ModelSpec("bert-tiny", "BERT-style encoder, 2 layers, 128 wide, vocab 512",
-              partial(_build_encoder, EncoderConfig(512, 128, 2, 2, 512))),
-    ModelSpec("resnet-small", "ResNet-18-like CNN, 1000 classes; seq_len is the image side",
-              partial(_build_convnet, ConvNetConfig())),
-    ModelSpec("resnet-tiny", "ResNet with 3 stages of one block, 16-64 channels, 10 classes; seq_len is the image side",
-              partial(_build_convnet, ConvNetConfig(channels=(16, 32, 64), blocks=(1, 1, 1), num_classes=10))),
-    ModelSpec("mlp-small", "MLP, 8 blocks of 2048, 512 features in and out; input (B, seq_len, 512)",
-              partial(_build_mlp, MLPConfig(512, 2048, 8, 512))),
-    ModelSpec("mlp-tiny", "MLP, 2 blocks of 64, 32 features in and out; input (B, seq_len, 32)",
-              partial(_build_mlp, MLPConfig(32, 64, 2, 32))),
-    ModelSpec("kwargs-tiny", "Llama-like decoder called with keywords input_ids, attention_mask, labels; returns .loss",
-              partial(_build_kwargs_llama, _llama(256, 64, 172, 2, 4, 2))),
+    ModelSpec("gpt2", "GPT-2 124M: 12 layers, 768 wide, 12 heads, 1024 positions", partial(_build_gpt, GPTConfig())),
+    ModelSpec(
+        "gpt2-medium",
+        "GPT-2 355M: 24 layers, 1024 wide, 16 heads, 1024 positions",
+        partial(_build_gpt, GPTConfig(n_layer=24, n_head=16, n_embd=1024)),
+    ),
+    ModelSpec(
+        "gpt2-tiny",
+        "GPT-2 architecture, 2 layers, 64 wide, vocab 256, 128 positions",
+        partial(_build_gpt, GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=64)),
+    ),
+    ModelSpec(
+        "llama-7b",
+        "Llama-2-7B: 32 layers, hidden 4096, 32 heads",
+        partial(_build_llama, _llama(32000, 4096, 11008, 32, 32, 32)),
+    ),
+    ModelSpec(
+        "llama-7b-tiny",
+        "Llama-2-7B architecture, 2 layers, hidden 128, vocab 256",
+        partial(_build_llama, _llama(256, 128, 344, 2, 4, 4)),
+    ),
+    ModelSpec(
+        "llama-13b",
+        "Llama-2-13B: 40 layers, hidden 5120, 40 heads",
+        partial(_build_llama, _llama(32000, 5120, 13824, 40, 40, 40)),
+    ),
+    ModelSpec(
+        "llama-13b-tiny",
+        "Llama-2-13B architecture, 3 layers, hidden 160, vocab 256",
+        partial(_build_llama, _llama(256, 160, 432, 3, 5, 5)),
+    ),
+    ModelSpec(
+        "llama-70b",
+        "Llama-3-70B: 80 layers, hidden 8192, 64 query / 8 key-value heads, vocab 128256",
+        partial(_build_llama, _llama(128256, 8192, 28672, 80, 64, 8, 5e5)),
+    ),
+    ModelSpec(
+        "llama-70b-tiny",
+        "Llama-3-70B architecture, 4 layers, hidden 128, 16 query / 2 key-value heads",
+        partial(_build_llama, _llama(512, 128, 448, 4, 16, 2, 5e5)),
+    ),
+    ModelSpec(
+        "mistral-7b",
+        "Mistral-7B: 32 layers, hidden 4096, 32 query / 8 key-value heads (no sliding window)",
+        partial(_build_llama, _llama(32000, 4096, 14336, 32, 32, 8)),
+    ),
+    ModelSpec(
+        "mistral-7b-tiny",
+        "Mistral-7B architecture, 2 layers, hidden 128, 8 query / 2 key-value heads",
+        partial(_build_llama, _llama(256, 128, 448, 2, 8, 2)),
+    ),
+    ModelSpec(
+        "bert-base",
+        "BERT-base-style encoder with masked-LM head: 12 layers, 768 wide, 512 positions",
+        partial(_build_encoder, EncoderConfig()),
+    ),
+    ModelSpec(
+        "bert-tiny",
+        "BERT-style encoder, 2 layers, 128 wide, vocab 512",
+        partial(_build_encoder, EncoderConfig(512, 128, 2, 2, 512)),
+    ),
+    ModelSpec(
+        "resnet-small",
+        "ResNet-18-like CNN, 1000 classes; seq_len is the image side",
+        partial(_build_convnet, ConvNetConfig()),
+    ),
+    ModelSpec(
+        "resnet-tiny",
+        "ResNet with 3 stages of one block, 16-64 channels, 10 classes; seq_len is the image side",
+        partial(_build_convnet, ConvNetConfig(channels=(16, 32, 64), blocks=(1, 1, 1), num_classes=10)),
+    ),
+    ModelSpec(
+        "mlp-small",
+        "MLP, 8 blocks of 2048, 512 features in and out; input (B, seq_len, 512)",
+        partial(_build_mlp, MLPConfig(512, 2048, 8, 512)),
+    ),
+    ModelSpec(
+        "mlp-tiny",
+        "MLP, 2 blocks of 64, 32 features in and out; input (B, seq_len, 32)",
+        partial(_build_mlp, MLPConfig(32, 64, 2, 32)),
+    ),
+    ModelSpec(
+        "kwargs-tiny",
+        "Llama-like decoder called with keywords input_ids, attention_mask, labels; returns .loss",
+        partial(_build_kwargs_llama, _llama(256, 64, 172, 2, 4, 2)),
+    ),
 ]
 PRESETS: dict[str, ModelSpec] = {spec.name: spec for spec in _PRESET_LIST}
 
