@@ -94,7 +94,7 @@ def _step(model: nn.Module, inputs, optimizer) -> torch.Tensor:
     return loss
 
 
-def measure_sharded_step(model: nn.Module, inputs, config: TrainConfig, steps: int = 3) -> Measurement:
+def measure_sharded_step(model: nn.Module, inputs, config: TrainConfig, steps: int = 5) -> Measurement:
     """This rank's peak live bytes over a steady-state step of a sharded model (after a warm-up).
 
     Gloo's worker thread can drop its reference to a collective's buffer a moment after the call
