@@ -41,7 +41,7 @@ from planner.units import format_bytes
 
 __all__ = ["RELATIVE_GAP_LIMIT", "SolveResult", "solve_choices"]
 
-RELATIVE_GAP_LIMIT = 0.005  # stop once the plan is proven within 0.5% of the bound
+RELATIVE_GAP_LIMIT = 0.01  # stop once the plan is proven within 1% of the bound
 
 
 @dataclass(frozen=True)
