@@ -179,12 +179,12 @@ def _counts_to_try(evaluator: _Evaluator, optimizer: str, cpu_offload: bool, pla
     def fits(n: int) -> bool:
         return evaluator.fits(n, optimizer, cpu_offload, plan)
 
+    if not fits(max_gpus):  # peaks only fall as GPUs are added: none fits
+        return [max_gpus]
     low, high = 0, 1  # low does not fit (0: nothing below), high is the next count to try
     while high < max_gpus and not fits(high):
         low, high = high, high * 2
     high = min(high, max_gpus)
-    if not fits(high):
-        return [max_gpus]
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (low, mid) if fits(mid) else (mid, high)

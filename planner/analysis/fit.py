@@ -126,14 +126,11 @@ class _Checker:
 
 def _smallest(ok: Callable[[int], bool], limit: int) -> int | None:
     """Smallest n in 1..limit with ok(n), assuming monotone: powers of two, then bisection."""
+    if not ok(limit):  # one test settles that none fits
+        return None
     previous, n = 0, 1
-    while True:
-        n = min(n, limit)
-        if ok(n):
-            break
-        if n == limit:
-            return None
-        previous, n = n, n * 2
+    while not ok(n):  # ends by `limit` at the latest
+        previous, n = n, min(n * 2, limit)
     lo, hi = previous, n  # ok(hi), not ok(lo) (lo = 0: nothing below)
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -142,6 +139,18 @@ def _smallest(ok: Callable[[int], bool], limit: int) -> int | None:
         else:
             lo = mid
     return hi
+
+
+def _fewest_gpus(report: ConfigurationReport, config: TrainConfig) -> tuple[int | None, int | None]:
+    """The fewest GPUs the configuration search found for the config as given (its optimizer, no host
+    offload, no micro-batching): without a plan, and with one where needed."""
+    rows = [
+        c
+        for c in report.configurations
+        if c.fits and c.optimizer == config.optimizer and not c.cpu_offload and c.accumulation == 1
+    ]
+    without = min((c.gpus for c in rows if not c.plan), default=None)
+    return without, min((c.gpus for c in rows), default=None)
 
 
 def fit(
@@ -168,9 +177,6 @@ def fit(
     def at(dp: int) -> TrainConfig:
         return config.with_(zero_stage=3, dp=dp)
 
-    without = _smallest(lambda n: check.fits(at(n)), max_gpus)
-    limit = without if without is not None else max_gpus
-    with_plan = _smallest(lambda n: check.plan_fits(at(n)), limit)
     configurations = None
     if search_configurations:
 
@@ -180,6 +186,10 @@ def fit(
         configurations = cheapest_configuration(
             trace_micro_batch, config, budget, max_gpus=max_gpus, time_limit_s=time_limit_s
         )
+        without, with_plan = _fewest_gpus(configurations, config)
+    else:
+        without = _smallest(lambda n: check.fits(at(n)), max_gpus)
+        with_plan = _smallest(lambda n: check.plan_fits(at(n)), without if without is not None else max_gpus)
     return FitResult(
         min_gpus_without_plan=without,
         min_gpus_with_plan=with_plan,
