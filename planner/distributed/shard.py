@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from costmodels.memory import get_precision
 from planner.config import TrainConfig
 from planner.runtime.tracker import LiveBytesTracker
-from planner.runtime.verify import Measurement, make_optimizer
+from planner.runtime.verify import Measurement, make_optimizer, tracked_step
 from planner.tracing.blocks import is_segment, segment_children
 from planner.tracing.recorder import loss_of, run_step_inputs
 
@@ -104,20 +104,8 @@ def measure_sharded_step(model: nn.Module, inputs, config: TrainConfig, steps: i
     optimizer = make_optimizer(model.parameters(), config.optimizer)
     model.train()
     _step(model, inputs, optimizer)
-    peaks, start, loss = [], 0, torch.zeros(())
-    for _ in range(steps):
-        tracker = ShardedBytesTracker()
-        tracker.track_all(
-            [
-                list(model.parameters()),
-                list(model.buffers()),
-                inputs,
-                optimizer.state_dict()["state"] if optimizer is not None else [],
-            ]
-        )
-        start = tracker.live_bytes
-        with tracker:
-            loss = _step(model, inputs, optimizer)
-            tracker.sample()
-        peaks.append(tracker.peak_bytes)
-    return Measurement(peak_bytes=min(peaks), start_bytes=start, loss=float(loss.detach()))
+    runs = [
+        tracked_step(ShardedBytesTracker(), model, inputs, optimizer, lambda: _step(model, inputs, optimizer))
+        for _ in range(steps)
+    ]
+    return min(runs, key=lambda m: m.peak_bytes)

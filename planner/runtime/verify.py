@@ -7,6 +7,7 @@ before the step (parameters, buffers, optimizer states, inputs) is counted up fr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
@@ -18,7 +19,7 @@ from planner.config import TrainConfig
 from planner.runtime.tracker import LiveBytesTracker
 from planner.tracing.recorder import loss_of, run_step_inputs
 
-__all__ = ["Measurement", "make_optimizer", "measure_step"]
+__all__ = ["Measurement", "make_optimizer", "measure_step", "tracked_step"]
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,16 @@ def measure_step(model: nn.Module, inputs, config: TrainConfig) -> Measurement:
     _step(model, inputs, optimizer, config.precision)
     for p in model.parameters():
         p.grad = None
-    tracker = LiveBytesTracker()
+    return tracked_step(
+        LiveBytesTracker(), model, inputs, optimizer, lambda: _step(model, inputs, optimizer, config.precision)
+    )
+
+
+def tracked_step(
+    tracker: LiveBytesTracker, model: nn.Module, inputs, optimizer, run: Callable[[], torch.Tensor]
+) -> Measurement:
+    """Peak live bytes of one step `run()` under `tracker`, with the model's parameters and buffers,
+    the inputs and the optimizer's states live from the start."""
     tracker.track_all(
         [
             list(model.parameters()),
@@ -78,6 +88,6 @@ def measure_step(model: nn.Module, inputs, config: TrainConfig) -> Measurement:
     )
     start = tracker.live_bytes
     with tracker:
-        loss = _step(model, inputs, optimizer, config.precision)
+        loss = run()
         tracker.sample()
     return Measurement(peak_bytes=tracker.peak_bytes, start_bytes=start, loss=float(loss.detach()))
