@@ -16,12 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.analysis.snapshot import (
-    SnapshotReport,
-    analyze_snapshot,
-    load_snapshot_bytes,
-    read_snapshot,
-)
+from planner.analysis.snapshot import analyze_snapshot, load_snapshot_bytes, read_snapshot
+from planner.analysis.snapshot_advice import SnapshotReport
 
 KiB = 1024
 MiB = 1024**2
