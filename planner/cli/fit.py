@@ -104,7 +104,8 @@ def run(args) -> None:
 def register(add) -> None:
     p = add(
         "fit",
-        "smallest number of GPUs (ZeRO-3) a step fits on, or the largest batch/sequence on --gpus N",
+        "the cheapest configuration that fits (GPU count, 8-bit optimizer states, host offload, plan, "
+        "micro-batching) by GPU-hours, or the largest batch/sequence on --gpus N",
         run,
         EXAMPLE,
     )
