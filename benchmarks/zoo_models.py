@@ -9,6 +9,15 @@ import torch
 from torch import nn
 
 VOCAB = 128
+# The decoders' shared tiny shape: 2 layers, width 32, 4 heads, 256 positions.
+TINY_DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+)
 
 
 def _tokens(batch_size: int, seq_len: int) -> torch.Tensor:
@@ -25,59 +34,28 @@ def _causal_lm(model: nn.Module, batch_size: int, seq_len: int) -> tuple[nn.Modu
 def llama(batch_size: int, seq_len: int):
     import transformers as hf
 
-    config = hf.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-    )
+    config = hf.LlamaConfig(**TINY_DECODER, num_key_value_heads=4)
     return _causal_lm(hf.LlamaForCausalLM(config), batch_size, seq_len)
 
 
 def mistral(batch_size: int, seq_len: int):
     import transformers as hf
 
-    config = hf.MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        sliding_window=None,
-    )
+    config = hf.MistralConfig(**TINY_DECODER, num_key_value_heads=2, sliding_window=None)
     return _causal_lm(hf.MistralForCausalLM(config), batch_size, seq_len)
 
 
 def phi(batch_size: int, seq_len: int):
     import transformers as hf
 
-    config = hf.PhiConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-    )
+    config = hf.PhiConfig(**TINY_DECODER)
     return _causal_lm(hf.PhiForCausalLM(config), batch_size, seq_len)
 
 
 def gpt_neox(batch_size: int, seq_len: int):
     import transformers as hf
 
-    config = hf.GPTNeoXConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-    )
+    config = hf.GPTNeoXConfig(**TINY_DECODER)
     return _causal_lm(hf.GPTNeoXForCausalLM(config), batch_size, seq_len)
 
 
