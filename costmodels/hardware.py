@@ -27,7 +27,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, fields
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +61,46 @@ class DeviceSpec:
     network_bytes_per_s: float = 12.5e9
     gpus_per_node: int = 8
     attention_flops_per_s: float = 0.0  # fused attention's peak rate in the compute dtype; 0: the matmul rate
+    # Host seconds a selective-checkpoint policy's dispatch mode adds to each op it sees, per pass
+    # (forward and recompute). Measured by `memplan calibrate`; 0 in the presets, and not counted on
+    # CUDA, where the host queues kernels ahead of the device (costmodels.runtime.selective_dispatch_s).
+    selective_op_overhead_s: float = 0.0
+    # Measured rates of single ops that do not run at the matmul rate or the memory bandwidth (CPU
+    # convolutions, transcendental activations, norms), by aten overload name as the trace writes it
+    # ("aten.gelu.default"): FLOP/s of compute-bound ops and seconds per output element of
+    # elementwise ones. Measured by `memplan calibrate`; empty in the presets.
+    op_flops_per_s: tuple[tuple[str, float], ...] = ()
+    op_s_per_element: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("op_flops_per_s", "op_s_per_element"):  # a profile's JSON object or pairs
+            value = getattr(self, name)
+            pairs = value.items() if isinstance(value, dict) else value
+            object.__setattr__(self, name, tuple(sorted((str(k), float(v)) for k, v in pairs)))
+
+    @cached_property
+    def _flops_rates(self) -> dict[str, float]:
+        return dict(self.op_flops_per_s)
+
+    @cached_property
+    def _element_times(self) -> dict[str, float]:
+        return dict(self.op_s_per_element)
+
+    def measured_flops_per_s(self, name: str, variant: str = "") -> float | None:
+        """The measured FLOP/s of op `name` ("name[variant]" first, e.g. its approximate=tanh
+        kernel), None where it was not measured."""
+        return self._flops_rates.get(f"{name}[{variant}]", self._flops_rates.get(name))
+
+    def seconds_per_element(self, name: str, variant: str = "") -> float:
+        """The measured seconds per output element of op `name` (as measured_flops_per_s looks it
+        up); 0 where it was not measured."""
+        return self._element_times.get(f"{name}[{variant}]", self._element_times.get(name, 0.0))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["op_flops_per_s"] = dict(self.op_flops_per_s)
+        out["op_s_per_element"] = dict(self.op_s_per_element)
+        return out
 
 
 DEVICES: dict[str, DeviceSpec] = {
@@ -151,6 +188,10 @@ def _load_profile(path: str, mtime_ns: int) -> DeviceSpec:
         <= 0
     ):
         raise ValueError(f"device profile {path} has a non-positive rate or capacity; re-run memplan calibrate")
+    if not 0 <= spec.selective_op_overhead_s < 1 or any(not 0 <= v < 1 for _, v in spec.op_s_per_element):
+        raise ValueError(f"device profile {path} has a per-op time outside [0, 1) s; re-run memplan calibrate")
+    if any(v <= 0 for _, v in spec.op_flops_per_s):
+        raise ValueError(f"device profile {path} has a non-positive op rate; re-run memplan calibrate")
     return spec
 
 

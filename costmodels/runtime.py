@@ -26,21 +26,41 @@ def peak_flops_per_s(dtype: torch.dtype, device: DeviceSpec) -> float:
 
 
 def op_time_s(
-    flops: int, bytes_accessed: int, dtype: torch.dtype, device: DeviceSpec, attention: bool = False
+    flops: int,
+    bytes_accessed: int,
+    dtype: torch.dtype,
+    device: DeviceSpec,
+    attention: bool = False,
+    name: str = "",
+    elements: int = 0,
+    variant: str = "",
 ) -> float:
-    """Roofline time of one op in seconds (see module docstring); `attention` ops run at the device's
-    attention rate where it has one (a calibrated profile)."""
-    if flops < 0 or bytes_accessed < 0:
-        raise ValueError("flops and bytes_accessed must be >= 0")
-    rate = (
-        device.attention_flops_per_s
-        if attention and device.attention_flops_per_s > 0
-        else peak_flops_per_s(dtype, device)
-    )
-    compute = flops / (COMPUTE_EFFICIENCY * rate)
+    """Roofline time of one op in seconds (see module docstring). A calibrated profile refines it by
+    op `name` and `variant`: `attention` ops run at its attention rate, ops it measured run at their
+    own FLOP/s, and an elementwise op takes at least its measured seconds per output element times
+    `elements`."""
+    if flops < 0 or bytes_accessed < 0 or elements < 0:
+        raise ValueError("flops, bytes_accessed and elements must be >= 0")
+    measured = device.measured_flops_per_s(name, variant)
+    if measured is not None:
+        compute = flops / measured
+    else:
+        rate = (
+            device.attention_flops_per_s
+            if attention and device.attention_flops_per_s > 0
+            else peak_flops_per_s(dtype, device)
+        )
+        compute = flops / (COMPUTE_EFFICIENCY * rate)
     memory = bytes_accessed / (BANDWIDTH_EFFICIENCY * device.hbm_bytes_per_s)
+    elementwise = elements * device.seconds_per_element(name, variant)
     overhead = CUDA_LAUNCH_OVERHEAD_S if device.is_cuda else CPU_LAUNCH_OVERHEAD_S
-    return max(compute, memory) + overhead
+    return max(compute, memory, elementwise) + overhead
+
+
+def selective_dispatch_s(device: DeviceSpec) -> float:
+    """Seconds a selective-checkpoint policy adds to a step per op and pass: its Python dispatch runs
+    in line with the ops on a CPU; on CUDA the host runs ahead of the kernels and it is hidden."""
+    return 0.0 if device.is_cuda else device.selective_op_overhead_s
 
 
 def transfer_time_s(nbytes: int, device: DeviceSpec, target: str) -> float:

@@ -12,6 +12,10 @@ from models_for_tests import PATH
 from costmodels.calibration import QUICK, calibrate
 from costmodels.hardware import get_device, load_device_profile, profile_dict
 from costmodels.runtime import COMPUTE_EFFICIENCY, op_time_s
+from planner.config import TrainConfig
+from planner.simulation.effects import choices_from_decisions, recompute_stop
+from planner.solver.planning import solve
+from planner.tracing.recorder import trace_for
 from planner.units import format_bytes
 
 
@@ -30,9 +34,18 @@ def test_calibration_measures_positive_rates(tiny):
         "host_link_bytes_per_s",
         "disk_write_bytes_per_s",
         "disk_read_bytes_per_s",
+        "selective_op_overhead_s",
+        "op_flops_per_s",
+        "op_s_per_element",
         "wall_s",
     }
-    assert all(v > 0 for v in m.values()) and m["wall_s"] < 20
+    rates = {k: v for k, v in m.items() if not isinstance(v, dict) and k != "selective_op_overhead_s"}
+    assert all(v > 0 for v in rates.values()) and m["wall_s"] < 20 and m["selective_op_overhead_s"] >= 0
+    assert set(m["op_flops_per_s"]) == {"aten.convolution.default", "aten.convolution_backward.default"}
+    assert {"aten.gelu.default", "aten.gelu.default[approximate=tanh]", "aten.native_batch_norm.default"} <= set(
+        m["op_s_per_element"]
+    )
+    assert all(v > 0 for table in ("op_flops_per_s", "op_s_per_element") for v in m[table].values())
     d = tiny.device
     assert not d.is_cuda and d.disk_bytes_per_s == min(m["disk_write_bytes_per_s"], m["disk_read_bytes_per_s"])
     # the roofline reproduces the measured matmul rate: a compute-bound op takes flops / measured rate
@@ -42,6 +55,39 @@ def test_calibration_measures_positive_rates(tiny):
         flops / m["attention_flops_per_s"], rel=1e-3
     )
     assert d.fp32_flops_per_s == pytest.approx(m["fp32_matmul_flops_per_s"] / COMPUTE_EFFICIENCY)
+    # ops measured one by one run at their own rate; the elementwise floor looks up the variant first
+    conv = m["op_flops_per_s"]["aten.convolution.default"]
+    assert op_time_s(flops, 0, torch.float32, d, name="aten.convolution.default") == pytest.approx(
+        flops / conv, rel=1e-3
+    )
+    per = m["op_s_per_element"]
+    n = 10**9
+    for variant in ("", "approximate=tanh"):
+        key = f"aten.gelu.default[{variant}]" if variant else "aten.gelu.default"
+        got = op_time_s(0, 0, torch.float32, d, name="aten.gelu.default", elements=n, variant=variant)
+        assert got == pytest.approx(n * per[key], rel=1e-3)
+    assert op_time_s(0, 0, torch.float32, d, name="aten.gelu.default", variant="approximate=none") == pytest.approx(
+        op_time_s(0, 0, torch.float32, d, name="aten.gelu.default")
+    )
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("selective_op_overhead_s", -1.0),
+        ("op_s_per_element", {"aten.gelu.default": -1e-9}),
+        ("op_flops_per_s", {"aten.convolution.default": 0.0}),
+        ("op_s_per_element", {"aten.gelu.default": "fast"}),
+        ("op_flops_per_s", [1, 2, 3]),
+    ],
+)
+def test_profile_refuses_bad_op_rates(tiny, tmp_path, field, value):
+    d = profile_dict(tiny.device, tiny.measured())
+    d["device"][field] = value
+    path = tmp_path / "dev.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="device profile"):
+        get_device(str(path))
 
 
 def test_profile_round_trip_and_errors(tiny, tmp_path):
@@ -68,3 +114,27 @@ def test_cli_calibrate_then_device_profile(tmp_path, capsys):
     assert f"device capacity {format_bytes(profile['device']['memory_bytes'])}" in out  # the profile's device
     code, _, err = run(["simulate", "--model", spec, "--device-profile", str(tmp_path / "none.json")], capsys)
     assert_user_error(code, err, "simulate", "does not exist")
+
+
+def test_selective_dispatch_is_priced_per_op_and_pass(tiny, tmp_path):
+    """A selective plan pays the calibrated dispatch time for every forward op of each span and
+    every op its recompute reaches; full checkpointing and CUDA devices do not."""
+    graph = trace_for(f"{PATH}:gpt_small", TrainConfig(batch_size=2, seq_len=32))
+    times = {}
+    for name, overhead, cuda in (("zero", 0.0, False), ("cpu", 1e-3, False), ("cuda", 1e-3, True)):
+        d = profile_dict(tiny.device, tiny.measured())
+        d["device"].update(selective_op_overhead_s=overhead, is_cuda=cuda)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(d))
+        config = TrainConfig(batch_size=2, seq_len=32, gpu=str(path))
+        times[name] = {s: solve(graph, config, 10**12, strategy=s) for s in ("op-sac", "full")}
+    choices = choices_from_decisions(graph, times["cpu"]["op-sac"].decisions)
+    assert choices and all(c.keep_ops for c in choices)
+    passes = sum(
+        (c.span.fwd_end - c.span.fwd_start) + (recompute_stop(graph, c.span) - c.span.fwd_start) for c in choices
+    )
+    added = times["cpu"]["op-sac"].predicted.recompute_s - times["zero"]["op-sac"].predicted.recompute_s
+    assert added == pytest.approx(1e-3 * passes)
+    assert times["cpu"]["full"].predicted.recompute_s == pytest.approx(times["zero"]["full"].predicted.recompute_s)
+    cuda_s, zero_s = times["cuda"]["op-sac"].predicted.recompute_s, times["zero"]["op-sac"].predicted.recompute_s
+    assert cuda_s < zero_s + 1e-3  # CUDA: only the op times differ (launch overhead), no dispatch

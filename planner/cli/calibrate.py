@@ -38,6 +38,9 @@ def run(args) -> None:
         ["host link", f"{format_bytes(int(m['host_link_bytes_per_s']))}/s"],
         ["disk write", f"{format_bytes(int(m['disk_write_bytes_per_s']))}/s"],
         ["disk read", f"{format_bytes(int(m['disk_read_bytes_per_s']))}/s"],
+        ["selective checkpoint", f"{m['selective_op_overhead_s'] * 1e6:.1f} us per op and pass"],
+        *([name, f"{rate / 1e9:.1f} GFLOP/s"] for name, rate in m["op_flops_per_s"].items()),
+        *([name, f"{s_per * 1e9:.2f} ns per element"] for name, s_per in m["op_s_per_element"].items()),
     ]
     print(f"{result.device.name}: measured in {result.wall_s:.1f}s")
     print(report.table(["rate", "measured"], rows))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -41,17 +42,22 @@ class StepCosts:
 
 
 def op_times(graph: OpGraph, device: DeviceSpec) -> np.ndarray:
-    """Roofline seconds of each op on the target device (views and no-ops cost nothing)."""
+    """Roofline seconds of each op on the target device (views and no-ops cost nothing; an op that
+    writes in place costs its bytes)."""
     out = np.zeros(len(graph.ops))
     for op in graph.ops:
-        if op.flops == 0 and not op.allocs:
+        if op.flops == 0 and not op.allocs and not op.mutates:
             continue
+        written = op.allocs or op.mutates
         out[op.index] = op_time_s(
             op.flops,
             op.bytes_accessed,
             _DTYPES.get(op.dtype, torch.float32),
             device,
             attention=op.name in ATTENTION_OPS or op.name in ATTENTION_BACKWARD_OPS,
+            name=op.name,
+            elements=max((math.prod(graph.tensors[t].shape) for t in written), default=0),
+            variant=op.variant,
         )
     return out
 

@@ -267,9 +267,13 @@ def storage_events(graph: OpGraph, tid: int, nbytes: int) -> Iterator[Event]:
         yield Event(t.free_op, FREE, tid, -nbytes, t.category)
 
 
-def choice_effect(graph: OpGraph, choice: SpanChoice, sizes: Mapping[int, int], times: np.ndarray) -> ChoiceEffect:
-    """The events of one choice, with `sizes` the per-device bytes of each storage and `times` the
-    seconds of each op on the target.
+def choice_effect(
+    graph: OpGraph, choice: SpanChoice, sizes: Mapping[int, int], times: np.ndarray, dispatch_s: float = 0.0
+) -> ChoiceEffect:
+    """The events of one choice, with `sizes` the per-device bytes of each storage, `times` the
+    seconds of each op on the target and `dispatch_s` what a selective policy adds per op and pass
+    (costmodels.runtime.selective_dispatch_s): a selective recompute pays it for every forward op of
+    the span and every op its recompute reaches, kept ones included.
 
     A dropped storage is allocated by its op and leaves where it would die unsaved. A recompute
     re-creates it in the replay just before the span's backward; an offload reloads it when its
@@ -309,6 +313,9 @@ def choice_effect(graph: OpGraph, choice: SpanChoice, sizes: Mapping[int, int], 
     redo = recompute_ops(graph, span, choice.keep_ops, dropped)
     flops = sum(graph.ops[i].flops for i in redo)
     seconds = float(times[redo].sum()) if redo else 0.0
+    if choice.keep_ops:
+        passes = (span.fwd_end - span.fwd_start) + (recompute_stop(graph, span) - span.fwd_start if dropped else 0)
+        seconds += dispatch_s * passes
     return ChoiceEffect(moved, tuple(events), flops, seconds, None)
 
 

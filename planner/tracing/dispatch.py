@@ -45,6 +45,14 @@ def _kernel_storage_bytes(func, args, out: torch.Tensor, nbytes: int) -> int:
     return nbytes
 
 
+def _variant(func: Any, args: tuple, kwargs: dict) -> str:
+    """The op's string arguments as "name=value" pairs (GELU's approximate, ...), comma-joined."""
+    names = [a.name for a in func._schema.arguments]
+    pairs = [(names[i], v) for i, v in enumerate(args[: len(names)]) if isinstance(v, str)]
+    pairs += [(k, v) for k, v in kwargs.items() if isinstance(v, str)]
+    return ",".join(f"{k}={v}" for k, v in pairs)
+
+
 def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors an op writes in place (its schema marks them `Tensor(a!)`)."""
     if not func._schema.is_mutable:
@@ -168,6 +176,7 @@ class OpRecorder(TorchDispatchMode):
                 tuple(dict.fromkeys(outputs)),
                 tuple(allocs),
                 mutates,
+                _variant(func, args, kwargs),
             )
         )
         return out

@@ -49,7 +49,7 @@ class TensorInfo:
 @dataclass(frozen=True)
 class OpNode:
     """One aten op call. `allocs` are the storages this op created, `mutates` those it wrote in
-    place."""
+    place; `variant` names its string arguments ("approximate=tanh"), which pick its kernel."""
 
     index: int
     name: str
@@ -62,6 +62,7 @@ class OpNode:
     outputs: tuple[int, ...]
     allocs: tuple[int, ...]
     mutates: tuple[int, ...] = ()
+    variant: str = ""
 
 
 @dataclass(frozen=True)
