@@ -1,11 +1,13 @@
 """memplan: a simulation-first memory planner for PyTorch training.
 
-graph = planner.tracing.recorder("llama-7b", batch_size=1, seq_len=4096, precision="bf16-mixed")
+graph = planner.trace("llama-7b", batch_size=1, seq_len=4096, precision="bf16-mixed")
 config = planner.TrainConfig(batch_size=1, seq_len=4096, precision="bf16-mixed", gpu="h100-80gb")
-timeline = planner.simulation.step(graph, config)              # peak, phase, op and module at the peak
-plan = planner.solver.cpsat(graph, config, budget_bytes=60 * 2**30)
+timeline = planner.simulate(graph, config)               # peak, phase, op and module at the peak
+plan = planner.solve(graph, config, 60 * 2**30)
 plan.save("plan.json")
 handle = planner.apply_plan(model, "plan.json")          # handle.remove() undoes it
+
+Under torch.compile: plan = planner.plan_compiled("llama-7b", config, "60%"), then apply_plan as above.
 """
 
 from importlib import import_module
@@ -21,6 +23,7 @@ _EXPORTS = {
     "InfeasibleBudget": "planner.errors",
     "SpecError": "planner.errors",
     "TraceError": "planner.errors",
+    "CompiledPlan": "planner.plans.format",
     "Decision": "planner.plans.format",
     "Plan": "planner.plans.format",
     "PlanLadder": "planner.plans.format",
@@ -32,6 +35,7 @@ _EXPORTS = {
     "MemoryMonitor": "planner.runtime.monitor",
     "Timeline": "planner.simulation.step",
     "simulate": "planner.simulation.step",
+    "plan_compiled": "planner.solver.compiled",
     "solve": "planner.solver.planning",
     "OpGraph": "planner.tracing.graph",
     "trace": "planner.tracing.recorder",

@@ -14,16 +14,19 @@ import torch
 
 from costmodels.memory import get_precision
 from planner.config import DEFAULT_TIME_LIMIT_S, TrainConfig
-from planner.errors import InfeasibleBudget
-from planner.plans.format import Plan, PlanLadder, check_plan_matches, load_plan
+from planner.errors import InfeasibleBudget, PlanFileError
+from planner.plans.format import CompiledPlan, Plan, PlanLadder, load_plan
+from planner.plans.identity import check_plan_matches
 from planner.runtime.apply import apply_plan
 from planner.runtime.auto import parse_budget
+from planner.runtime.compiled import measure_compiled_step
 from planner.runtime.dryrun import dry_run, planned_errors
 from planner.runtime.verify import Measurement, measure_step
 from planner.simulation.step import Timeline, simulate
+from planner.solver.compiled import plan_compiled
 from planner.solver.planning import compare_strategies, solve
 from planner.tracing.hf import disable_kv_cache
-from planner.tracing.recorder import trace
+from planner.tracing.recorder import trace_for
 from planner.tracing.specs import resolve_spec
 from planner.units import format_bytes
 
@@ -44,6 +47,11 @@ def plan_for_config(plan: Plan | PlanLadder | str | Path | None, seq_len: int) -
         return None
     if isinstance(plan, (str, Path)):
         plan = load_plan(plan)
+    if isinstance(plan, CompiledPlan):
+        raise PlanFileError(
+            "this is a compiled plan (torch.compile); its predicted peak is in the plan, "
+            "and memplan verify --plan measures it"
+        )
     if isinstance(plan, PlanLadder):
         return plan.plan_for(seq_len)[0]
     return plan
@@ -85,36 +93,24 @@ def verify_model(
     plan_path = str(plan) if isinstance(plan, (str, Path)) else None
     if isinstance(plan, (str, Path)):
         plan = load_plan(plan)
-    timeline = simulate_model(spec, config, plan)
+    compiled = isinstance(plan, CompiledPlan)
+    predicted = plan.predicted.peak_bytes if compiled else simulate_model(spec, config, plan).peak_bytes
     torch.manual_seed(seed)
     model, inputs = resolve_spec(spec).build(batch_size=config.batch_size, seq_len=config.seq_len)
     model.to(get_precision(config.precision).param_dtype)
     disable_kv_cache(model)  # as the trace and an applied plan run it
     handle = apply_plan(model, plan) if plan is not None else None
     try:
-        with planned_errors(plan) if plan is not None else nullcontext():
-            measured: Measurement = measure_step(model, inputs, config)
+        if compiled:  # the profiler sees the buffers inductor allocates
+            measured: Measurement = measure_compiled_step(model, inputs, config)
+        else:
+            with planned_errors(plan) if plan is not None else nullcontext():
+                measured = measure_step(model, inputs, config)
     finally:
         if handle is not None:
             handle.remove()
-    error = (timeline.peak_bytes - measured.peak_bytes) / measured.peak_bytes
-    return VerifyResult(
-        spec, timeline.peak_bytes, measured.peak_bytes, error, measured.loss, config.to_dict(), plan_path
-    )
-
-
-def trace_for(spec: str, config: TrainConfig, lifetimes: bool = True):
-    """The trace a config needs (ZeRO-3 traces parameters as FSDP gathers them)."""
-    return trace(
-        spec,
-        batch_size=config.batch_size,
-        seq_len=config.seq_len,
-        precision=config.precision,
-        gathered_params=config.zero_stage == 3,
-        lifetimes=lifetimes,
-        moe_imbalance=config.moe_imbalance,
-        blocks=config.blocks,
-    )
+    error = (predicted - measured.peak_bytes) / measured.peak_bytes
+    return VerifyResult(spec, predicted, measured.peak_bytes, error, measured.loss, config.to_dict(), plan_path)
 
 
 def plan_model(
@@ -129,7 +125,11 @@ def plan_model(
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
 ):
     """Trace, compare the baseline strategies and solve: (plan, comparison rows, no-plan peak).
-    `budget_bytes` may be a percentage of the no-plan peak ('60%')."""
+    `budget_bytes` may be a percentage of the no-plan peak ('60%'). With `config.compile`, the plan
+    is a CompiledPlan of per-block activation budgets (no comparison rows)."""
+    if config.compile:
+        plan = plan_compiled(spec, config, budget_bytes, time_limit_s=time_limit_s)
+        return plan, [], simulate(trace_for(spec, config), config).peak_bytes
     graph = trace_for(spec, config)
     if isinstance(budget_bytes, str):
         budget_bytes = parse_budget(budget_bytes, simulate(graph, config).peak_bytes)
@@ -171,9 +171,19 @@ def check_plan_for_spec(spec: str, config: TrainConfig, plan_path: str) -> str:
     """Build the model on the meta device, check the plan matches it, run it once on fake
     tensors (a plan that would fail is refused naming the module), describe what it wraps."""
     plan = load_plan(plan_path)
-    plans = [p for _, p in plan.buckets] if isinstance(plan, PlanLadder) else [plan]
     with torch.device("meta"):
         model, _ = resolve_spec(spec).build(batch_size=config.batch_size, seq_len=config.seq_len)
+    if isinstance(plan, CompiledPlan):
+        check_plan_matches(plan, model)
+        counts = Counter(plan.budgets.values())
+        return (
+            f"compiled plan matches {spec}: "
+            + ", ".join(f"{n} blocks at activation_memory_budget {b:g}" for b, n in sorted(counts.items()))
+            + f"; predicted peak {format_bytes(plan.predicted.peak_bytes)}, recompute "
+            f"{plan.predicted.overhead * 100:.1f}% of the eager step\n"
+            "apply it in your training script with: handle = planner.apply_plan(model, 'PLAN.json')"
+        )
+    plans = [p for _, p in plan.buckets] if isinstance(plan, PlanLadder) else [plan]
     lines = []
     for p in plans:
         if get_precision(p.config["precision"]).param_dtype != torch.float32:

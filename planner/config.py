@@ -38,6 +38,9 @@ class TrainConfig:
     mp_param_dtype: str | None = None
     mp_reduce_dtype: str | None = None
     cpu_offload: bool = False
+    # The step runs under torch.compile: plans give each block an activation_memory_budget for the
+    # min-cut partitioner (planner.solver.compiled) instead of eager checkpointing.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len", "dp"):
@@ -58,6 +61,8 @@ class TrainConfig:
                 f"MoE imbalance must be a number >= 1.0 (1.0: balanced routing), got {self.moe_imbalance!r}"
             )
         object.__setattr__(self, "blocks", tuple(self.blocks))
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be true or false, got {self.compile!r}")
         self._check_fsdp()
 
     def _check_fsdp(self) -> None:
@@ -96,6 +101,7 @@ class TrainConfig:
             ("mp_param_dtype", None),
             ("mp_reduce_dtype", None),
             ("cpu_offload", False),
+            ("compile", False),
         ):
             if d[name] == default:
                 del d[name]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from planner.plans.format import Decision, Plan, Predicted, SolverInfo, model_info
+from planner.plans.format import Decision, Plan, Predicted, SolverInfo
+from planner.plans.identity import model_info
 
 CONFIG = {
     "batch_size": 2,

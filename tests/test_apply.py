@@ -22,8 +22,8 @@ from planner.plans.format import (
     PlanLadder,
     Predicted,
     SolverInfo,
-    model_info,
 )
+from planner.plans.identity import model_info
 from planner.runtime.apply import apply_plan, batch_seq_len, returns_tensor
 from planner.runtime.verify import measure_step
 from planner.tracing.blocks import find_region_paths

@@ -6,23 +6,27 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import shutil
 
 import pytest
 import torch
 from cli_helpers import run
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models_for_tests import PATH, gpt_small, resnet_small
+from models_for_tests import PATH, gpt_small, llama_small, resnet_small
 from torch._subclasses import FakeTensorMode
 
 from costmodels.hardware import get_device
 from planner.api import trace_for
 from planner.config import TrainConfig
-from planner.errors import InfeasibleBudget
-from planner.runtime.compiled import compile_blocks, profiled_peak_bytes
+from planner.errors import InfeasibleBudget, PlanFileError, SpecError
+from planner.plans.format import CompiledPlan, CompiledPoint, load_plan
+from planner.runtime.apply import apply_plan
+from planner.runtime.compiled import compile_blocks, measure_compiled_step, profiled_peak_bytes
 from planner.runtime.tracker import LiveBytesTracker
 from planner.simulation.step import simulate
-from planner.solver.compiled import CompiledPoint, block_call, block_frontier, choose_budgets, plan_compiled
+from planner.solver.compiled import block_call, block_frontier, choose_budgets, plan_compiled
+from planner.solver.planning import solve
 
 BATCH, SEQ = 2, 32
 
@@ -59,9 +63,9 @@ def test_choice_is_the_cheapest_that_fits(raw, cap):
     fits = [c for c in itertools.product(*frontiers) if sum(p.saved_bytes for p in c) <= cap]
     if not fits:
         with pytest.raises(InfeasibleBudget):
-            choose_budgets(frontiers, cap)
+            choose_budgets(frontiers, [(range(len(frontiers)), cap)])
         return
-    chosen = choose_budgets(frontiers, cap)
+    chosen = choose_budgets(frontiers, [(range(len(frontiers)), cap)])
     assert sum(p.saved_bytes for p in chosen) <= cap
     assert sum(p.recompute_s for p in chosen) == pytest.approx(min(sum(p.recompute_s for p in c) for c in fits))
 
@@ -127,13 +131,15 @@ def test_plan_compiled_fits_the_budget():
     peak = simulate(trace_for(spec, config), config).peak_bytes
     roomy = plan_compiled(spec, config, peak, budgets=(1.0, 0.5, 0.0))
     assert set(roomy.budgets) == {f"h.{i}" for i in range(4)} and set(roomy.budgets.values()) == {1.0}
-    assert roomy.recompute_s == 0.0 and roomy.predicted_peak_bytes == peak
+    # inductor's partitioner saves less than eager even at budget 1.0 (it recomputes fused pointwise ops)
+    top = roomy.predicted.peak_bytes
+    assert roomy.predicted.recompute_s == 0.0 and 0 < top <= peak
     saved = roomy.frontiers[next(iter(roomy.frontiers))][0].saved_bytes
-    tight = plan_compiled(spec, config, peak - 2 * saved, budgets=(1.0, 0.5, 0.0))
-    assert tight.predicted_peak_bytes <= peak - 2 * saved and tight.recompute_s > 0
-    assert sorted(tight.budgets.values())[:2] != [1.0, 1.0]
-    with pytest.raises(InfeasibleBudget):
-        plan_compiled(spec, config, peak - 5 * saved, budgets=(1.0, 0.5, 0.0))
+    tight = plan_compiled(spec, config, top - saved // 2, budgets=(1.0, 0.5, 0.0))
+    assert tight.predicted.peak_bytes <= top - saved // 2 and tight.predicted.recompute_s > 0
+    assert sorted(tight.budgets.values())[0] < 1.0
+    with pytest.raises(InfeasibleBudget, match="smallest compiled peak"):
+        plan_compiled(spec, config, top // 4, budgets=(1.0, 0.5, 0.0))
 
 
 def test_cli_plan_compile_writes_block_budgets(tmp_path, capsys):
@@ -148,7 +154,7 @@ def test_cli_plan_compile_writes_block_budgets(tmp_path, capsys):
             "--seq-len",
             str(SEQ),
             "--budget",
-            "95%",
+            "99%",
             "--compile",
             "--out",
             str(out),
@@ -157,5 +163,63 @@ def test_cli_plan_compile_writes_block_budgets(tmp_path, capsys):
     )
     assert code == 0, err
     plan = json.loads(out.read_text())
+    assert plan["kind"] == "compiled" and plan["config"]["compile"] is True
     assert set(plan["budgets"]) == {f"h.{i}" for i in range(4)} and "activation_memory_budget" in stdout
-    assert plan["predicted_peak_bytes"] <= plan["budget_bytes"]
+    assert plan["predicted"]["peak_bytes"] <= plan["budget_bytes"]
+    assert load_plan(out) == CompiledPlan.from_dict(plan)
+    code, stdout, err = run(["apply", "--model", f"{PATH}:gpt_small", "--plan", str(out)], capsys)
+    assert code == 0 and "compiled plan matches" in stdout, err
+    code, _, err = run(["simulate", "--model", f"{PATH}:gpt_small", "--plan", str(out)], capsys)
+    assert code == 2 and "compiled plan" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler")
+@pytest.mark.parametrize("build", [gpt_small, llama_small])
+def test_compiled_plan_applies_and_its_peak_is_predicted(build, tmp_path):
+    """apply_plan takes the compiled plan file; gradients match eager; under inductor the profiled
+    peak of the step is the prediction, or up to 5% below it."""
+    batch, seq = 4, 128  # activations well above the optimizer step's peak
+    spec, config = f"{PATH}:{build.__name__}", TrainConfig(batch_size=batch, seq_len=seq)
+    top = plan_compiled(spec, config, 10**12, budgets=(1.0, 0.5, 0.0)).predicted.peak_bytes
+    plan = plan_compiled(spec, config, int(0.9 * top), budgets=(1.0, 0.5, 0.0))
+    assert set(plan.budgets.values()) != {1.0}
+    plan.save(tmp_path / "compiled.json")
+    torch.manual_seed(0)
+    model, inputs = build(batch, seq)
+    reference = copy.deepcopy(model)
+    handle = apply_plan(model, tmp_path / "compiled.json")
+    for m in (model, reference):
+        m(*inputs).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-3, atol=1e-5)
+    measured = measure_compiled_step(model, inputs, config)
+    error = (plan.predicted.peak_bytes - measured.peak_bytes) / measured.peak_bytes
+    # exact where blocks recompute part of their split; a block at budget 0 recomputes its
+    # activations one at a time in backward, which the prediction takes as all at once (safe side)
+    assert -0.001 <= error <= 0.05, (plan.budgets, plan.predicted.peak_bytes, measured.peak_bytes)
+    handle.remove()
+    assert "forward" not in model.h[0].__dict__ if hasattr(model, "h") else "forward" not in model.layers[0].__dict__
+
+
+def test_compiled_plan_file_is_validated(tmp_path):
+    spec, config = f"{PATH}:gpt_small", TrainConfig(batch_size=BATCH, seq_len=SEQ)
+    plan = plan_compiled(spec, config, 10**12, budgets=(1.0, 0.0))
+    assert CompiledPlan.from_dict(plan.to_dict()) == plan
+    for change, where in (
+        (lambda d: d["budgets"].update({"h.0": 1.5}), "budgets/h.0"),
+        (lambda d: d["budgets"].clear(), "budgets"),
+        (lambda d: d["predicted"].pop("peak_bytes"), "predicted"),
+        (lambda d: d["frontiers"].update({"x": [{"budget": 0.5}]}), "frontiers/x/0"),
+        (lambda d: d.update(schema_version=2), "schema_version"),
+    ):
+        d = plan.to_dict()
+        change(d)
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(d))
+        with pytest.raises(PlanFileError, match=where):
+            load_plan(path)
+    other, _ = resnet_small(BATCH, SEQ)
+    with pytest.raises(PlanFileError, match="different model"):
+        apply_plan(other, plan)
+    with pytest.raises(SpecError, match="plan_compiled"):
+        solve(trace_for(spec, config), config.with_(compile=True), 10**12)

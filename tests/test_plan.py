@@ -15,17 +15,17 @@ from torch import nn
 from planner.errors import PlanFileError
 from planner.plans.format import (
     SCHEMA_VERSION,
+    CompiledPlan,
     Decision,
     ModelInfo,
     Plan,
     PlanLadder,
     Predicted,
     SolverInfo,
-    check_plan_matches,
     load_plan,
-    model_info,
     plan_schema,
 )
+from planner.plans.identity import check_plan_matches, model_info
 from planner.tracing.fingerprint import model_fingerprint
 
 
@@ -163,10 +163,12 @@ def test_ladder_rejects_empty_and_duplicates() -> None:
 
 def test_from_dict_kind_mismatch() -> None:
     ladder = PlanLadder(buckets=((128, make_plan()),))
-    with pytest.raises(ValueError, match="ladder, not a single plan"):
+    with pytest.raises(ValueError, match=r"is a ladder \(PlanLadder\), not a single plan"):
         Plan.from_dict(ladder.to_dict())
-    with pytest.raises(ValueError, match="single plan, not a ladder"):
+    with pytest.raises(ValueError, match=r"is a single plan \(Plan\), not a ladder"):
         PlanLadder.from_dict(make_plan().to_dict())
+    with pytest.raises(ValueError, match="is a single plan .*, not a compiled plan; use load_plan"):
+        CompiledPlan.from_dict(make_plan().to_dict())
 
 
 # ------------------------------------------------------------------ bad files

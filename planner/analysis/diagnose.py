@@ -18,13 +18,13 @@ from costmodels.allocator import AllocatorEstimate, simulate_allocator
 from costmodels.hardware import get_device
 from planner.analysis.oom_message import explain_oom_message
 from planner.analysis.snapshot import read_snapshot
-from planner.api import trace_for
 from planner.config import DEFAULT_RESERVE, DEFAULT_TIME_LIMIT_S, TrainConfig
 from planner.errors import InfeasibleBudget
 from planner.simulation.costs import model_states_for, storage_bytes
 from planner.simulation.step import Timeline, simulate, step_events
 from planner.solver.planning import solve
 from planner.tracing.graph import OpGraph
+from planner.tracing.recorder import trace_for
 from planner.units import format_bytes
 
 __all__ = [

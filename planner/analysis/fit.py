@@ -13,13 +13,13 @@ from typing import Any
 
 from costmodels.hardware import get_device
 from planner.analysis.configurations import ConfigurationReport, cheapest_configuration
-from planner.api import trace_for
 from planner.config import DEFAULT_RESERVE, DEFAULT_TIME_LIMIT_S, TrainConfig
 from planner.errors import InfeasibleBudget, SolverTimeout
 from planner.simulation.step import simulate
 from planner.solver.baselines import strategy_choices
 from planner.solver.planning import solve
 from planner.tracing.graph import OpGraph
+from planner.tracing.recorder import trace_for
 
 __all__ = ["FitResult", "fit", "largest_fitting"]
 

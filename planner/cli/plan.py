@@ -108,7 +108,7 @@ def _plan_one(args, config, budget: int | str):
 def run(args) -> None:
     budget = budget_for(args)
     if args.compile:
-        return run_compiled(args, config_from_args(args), budget)
+        return run_compiled(args, config_from_args(args).with_(compile=True), budget)
     solved = {s: _plan_one(args, config_from_args(args, s), budget) for s in args.seq_len}
     plans = [(s, plan) for s, (plan, _) in solved.items()]
     if len(plans) == 1:

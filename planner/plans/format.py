@@ -26,11 +26,6 @@ import jsonschema.exceptions
 
 from planner.errors import PlanFileError
 from planner.safe_io import JSON_MAX_BYTES, clean, loads_json, read_bounded, write_text
-from planner.tracing.fingerprint import (
-    is_segment_of,
-    model_fingerprint,
-    num_parameters,
-)
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -44,12 +39,13 @@ __all__ = [
     "PlanLadder",
     "load_plan",
     "plan_schema",
-    "model_fingerprint",
-    "model_info",
-    "check_plan_matches",
+    "CompiledPoint",
+    "CompiledPrediction",
+    "CompiledPlan",
 ]
 
 SCHEMA_VERSION = 1
+KINDS = ("plan", "ladder", "compiled")
 ACTIONS = ("keep", "recompute", "offload")
 TARGETS = ("cpu", "disk")
 
@@ -72,7 +68,7 @@ def plan_schema() -> dict[str, Any]:
     return json.loads(text)
 
 
-@lru_cache(maxsize=2)
+@lru_cache(maxsize=len(KINDS))
 def _validator(kind: str) -> jsonschema.Draft202012Validator:
     # Validate against the branch chosen by "kind" so errors point at the real
     # problem instead of "not valid under any of the given schemas".
@@ -92,8 +88,8 @@ def _validate(d: Any, label: str) -> str:
             f"{SCHEMA_VERSION}: re-create it with memplan plan"
         )
     kind = d.get("kind")
-    if kind not in ("plan", "ladder"):
-        raise PlanFileError(f"{label} is invalid at kind: {kind!r} is not one of ['plan', 'ladder']")
+    if kind not in KINDS:
+        raise PlanFileError(f"{label} is invalid at kind: {kind!r} is not one of {list(KINDS)}")
     err = jsonschema.exceptions.best_match(_validator(kind).iter_errors(d))
     if err is not None:
         where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
@@ -302,18 +298,72 @@ class PlanLadder:
         _save(self.to_dict(), path)
 
 
-def _load(d: Any, label: str, want: str | None = None) -> Plan | PlanLadder:
-    """The one loader: validate a plan or ladder dict, then build its dataclasses."""
+@dataclass(frozen=True)
+class CompiledPoint:
+    """One split of a block by torch.compile's partitioner: what it saves and what its backward recomputes."""
+
+    budget: float  # activation_memory_budget
+    saved_bytes: int
+    recompute_s: float
+    recompute_flops: int
+
+
+@dataclass(frozen=True)
+class CompiledPrediction:
+    """What memplan predicts for a compiled step under the plan."""
+
+    peak_bytes: int
+    recompute_s: float
+    overhead: float  # recompute_s over the eager step without a plan
+
+
+@dataclass(frozen=True)
+class CompiledPlan:
+    """A plan for training under torch.compile: each block's `activation_memory_budget` for the min-cut
+    partitioner (module path -> fraction), with each block signature's frontier of splits."""
+
+    model: ModelInfo
+    config: dict[str, Any]
+    budget_bytes: int
+    budgets: dict[str, float]
+    predicted: CompiledPrediction
+    frontiers: dict[str, tuple[CompiledPoint, ...]]  # block signature -> its splits
+    schema_version: int = SCHEMA_VERSION
+    memplan_version: str = field(default_factory=_memplan_version)
+
+    def __post_init__(self) -> None:
+        try:  # a plain JSON copy, so the plan round-trips exactly
+            config = json.loads(json.dumps(dict(self.config), allow_nan=False))
+        except (TypeError, ValueError) as e:
+            raise PlanFileError(f"plan config must be JSON-serializable: {e}") from None
+        object.__setattr__(self, "config", config)
+        object.__setattr__(self, "budgets", dict(self.budgets))
+        object.__setattr__(self, "frontiers", {k: tuple(v) for k, v in self.frontiers.items()})
+        _validate(self.to_dict(), "compiled plan")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "compiled", **_plain(self)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, label: str = "compiled plan") -> CompiledPlan:
+        """Validate ``d`` against the schema and build a CompiledPlan. Raises PlanFileError."""
+        return _load(d, label, "compiled")
+
+    def save(self, path: PathLike) -> None:
+        _save(self.to_dict(), path)
+
+
+def _load(d: Any, label: str, want: str | None = None) -> Plan | PlanLadder | CompiledPlan:
+    """The one loader: validate a plan, ladder or compiled plan dict, then build its dataclasses."""
     kind = _validate(d, label)
     if want is not None and kind != want:
-        other = {
-            "plan": "a ladder, not a single plan; use PlanLadder",
-            "ladder": "a single plan, not a ladder; use Plan",
-        }
-        raise PlanFileError(f"{label} is {other[want]} or load_plan")
+        names = {"plan": "a single plan (Plan)", "ladder": "a ladder (PlanLadder)", "compiled": "a compiled plan"}
+        raise PlanFileError(f"{label} is {names[kind]}, not {names[want]}; use load_plan")
     try:
         if kind == "plan":
             return _plan(d)
+        if kind == "compiled":
+            return _compiled(d)
         return PlanLadder(
             tuple((b["seq_len"], _plan(b["plan"])) for b in d["buckets"]), d["schema_version"], d["memplan_version"]
         )
@@ -329,12 +379,25 @@ def _plan(d: Mapping[str, Any]) -> Plan:
     return Plan(**fields)
 
 
+def _compiled(d: Mapping[str, Any]) -> CompiledPlan:
+    return CompiledPlan(
+        model=ModelInfo(**d["model"]),
+        config=d["config"],
+        budget_bytes=d["budget_bytes"],
+        budgets=d["budgets"],
+        predicted=CompiledPrediction(**d["predicted"]),
+        frontiers={k: tuple(CompiledPoint(**p) for p in v) for k, v in d["frontiers"].items()},
+        schema_version=d["schema_version"],
+        memplan_version=d["memplan_version"],
+    )
+
+
 def _save(d: dict[str, Any], path: PathLike) -> None:
     write_text(path, json.dumps(d, indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
-def load_plan(path_or_dict: PathLike | Mapping[str, Any]) -> Plan | PlanLadder:
-    """Load a plan or ladder from a JSON file or an already-parsed dict. Raises PlanFileError."""
+def load_plan(path_or_dict: PathLike | Mapping[str, Any]) -> Plan | PlanLadder | CompiledPlan:
+    """Load a plan, ladder or compiled plan from a JSON file or an already-parsed dict. Raises PlanFileError."""
     if isinstance(path_or_dict, Mapping):
         return _load(dict(path_or_dict), "plan")
     path = Path(path_or_dict)
@@ -348,51 +411,3 @@ def load_plan(path_or_dict: PathLike | Mapping[str, Any]) -> Plan | PlanLadder:
     except ValueError as e:
         raise PlanFileError(f"{e}; re-export it with memplan plan") from None
     return _load(d, label)
-
-
-# ---------------------------------------------------------------- model identity
-
-
-def model_info(model: Any, spec: str) -> ModelInfo:
-    """ModelInfo for ``model`` built from ``spec``."""
-    return ModelInfo(
-        spec=spec,
-        fingerprint=model_fingerprint(model),
-        num_parameters=num_parameters(model),
-        num_modules=sum(1 for _ in model.named_modules()),
-    )
-
-
-def _human(n: int) -> str:
-    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if abs(n) >= div:
-            return f"{n / div:.1f}{suffix}"
-    return str(n)
-
-
-def check_plan_matches(plan: Plan, model: Any) -> None:
-    """Raise PlanFileError saying what differs when ``plan`` was made for another model."""
-    info = model_info(model, plan.model.spec)
-    names = {name for name, _ in model.named_modules()}
-    missing = list(
-        dict.fromkeys(d.module for d in plan.decisions if d.module not in names and not is_segment_of(model, d.module))
-    )
-    if info.fingerprint == plan.model.fingerprint and not missing:
-        return
-    parts = []
-    if plan.model.num_modules != info.num_modules:
-        parts.append(f"{plan.model.num_modules} modules vs {info.num_modules}")
-    if plan.model.num_parameters != info.num_parameters:
-        parts.append(f"{_human(plan.model.num_parameters)} vs {_human(info.num_parameters)} parameters")
-    if missing:
-        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
-        parts.append(f"modules not found: {', '.join(missing[:3])}{more}")
-    if not parts:
-        parts.append(
-            "same module and parameter counts but different structure, shapes or "
-            f"dtypes ({plan.model.fingerprint[:19]} vs {info.fingerprint[:19]})"
-        )
-    spec = plan.model.spec or "<model>"
-    raise PlanFileError(
-        f"plan was made for a different model: {', '.join(parts)}; re-plan with memplan plan --model {spec}"
-    )

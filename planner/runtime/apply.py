@@ -30,8 +30,10 @@ from torch.utils.checkpoint import (
 )
 
 from planner.plans.decisions import ModulePlan, OpKeys, module_plans
-from planner.plans.format import Plan, PlanLadder, check_plan_matches, load_plan
+from planner.plans.format import CompiledPlan, Plan, PlanLadder, load_plan
+from planner.plans.identity import check_plan_matches
 from planner.runtime import cleanup
+from planner.runtime.compiled import CompiledBlocks, compile_blocks
 from planner.runtime.offload import (
     SPILL_PREFIX,
     Spilled,
@@ -46,9 +48,15 @@ from planner.tracing.hf import disable_kv_cache
 __all__ = ["ModulePlan", "PlanHandle", "apply_plan", "returns_tensor", "batch_seq_len"]
 
 
+@functools.cache
 def returns_tensor(func: Any) -> bool:
     """Whether an op overload's schema returns at least one Tensor (how memplan's trace names ops)."""
     return any("Tensor" in str(r.type) for r in func._schema.returns)
+
+
+@functools.cache
+def _op_name(func: Any) -> str:
+    return str(func)
 
 
 # ---------------------------------------------------------------- selective checkpointing
@@ -64,7 +72,7 @@ class _KeepPolicy:
     def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if not returns_tensor(func):
             return CheckpointPolicy.PREFER_RECOMPUTE
-        key = self.keys[bool(ctx.is_recompute)].next_key(str(func))
+        key = self.keys[bool(ctx.is_recompute)].next_key(_op_name(func))
         return CheckpointPolicy.MUST_SAVE if key in self.keep_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -344,14 +352,23 @@ class PlanHandle:
 
 
 def apply_plan(
-    model: nn.Module, plan_or_path: Plan | PlanLadder | str | Path, *, spill_dir: str | Path | None = None
-) -> PlanHandle:
+    model: nn.Module,
+    plan_or_path: Plan | PlanLadder | CompiledPlan | str | Path,
+    *,
+    spill_dir: str | Path | None = None,
+    compile_backend: str = "inductor",
+) -> PlanHandle | CompiledBlocks:
     """Make `model` follow a plan (or a ladder of plans); returns the handle that undoes it.
 
+    A compiled plan runs each block under torch.compile (`compile_backend`) with its own
+    activation_memory_budget.
     `spill_dir` is where disk offload writes (a fresh `memplan-spill-*` folder is made in it,
     default the system temp dir). Raises ValueError when the plan is for a different model.
     """
     plan = load_plan(plan_or_path) if isinstance(plan_or_path, (str, Path)) else plan_or_path
+    if isinstance(plan, CompiledPlan):
+        check_plan_matches(plan, model)
+        return compile_blocks(model, plan.budgets, compile_backend)
     if isinstance(plan, PlanLadder):
         plans = {s: p for s, p in plan.buckets}
         ladder: PlanLadder | None = plan
@@ -360,7 +377,8 @@ def apply_plan(
         ladder = None
     else:
         raise ValueError(
-            f"apply_plan takes a Plan, PlanLadder or plan file path, got {type(plan).__name__}; load it with load_plan"
+            f"apply_plan takes a Plan, PlanLadder, CompiledPlan or plan file path, got {type(plan).__name__}; "
+            "load it with load_plan"
         )
     for p in plans.values():
         check_plan_matches(p, model)

@@ -22,7 +22,11 @@ from torch._functorch import config as functorch_config
 from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import Action
 
-__all__ = ["CompiledBlocks", "compile_blocks", "profiled_peak_bytes"]
+from planner.config import TrainConfig
+from planner.runtime.tracker import LiveBytesTracker
+from planner.runtime.verify import Measurement, make_optimizer, run_training_step
+
+__all__ = ["CompiledBlocks", "compile_blocks", "measure_compiled_step", "profiled_peak_bytes", "profiled_step"]
 
 
 def _trampoline(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -86,3 +90,35 @@ def profiled_peak_bytes(step: Callable[[], Any]) -> int:
             live -= nbytes
         peak = max(peak, live)
     return peak
+
+
+def profiled_step(model: nn.Module, inputs: Any, optimizer: Any, run: Callable[[], torch.Tensor]) -> Measurement:
+    """Peak of one step `run()`: what exists before it (parameters, buffers, inputs, optimizer states,
+    as memplan's tracker counts them) plus the profiler's peak during it."""
+    tracker = LiveBytesTracker()
+    tracker.track_all(
+        [
+            list(model.parameters()),
+            list(model.buffers()),
+            inputs,
+            optimizer.state_dict()["state"] if optimizer is not None else [],
+        ]
+    )
+    start = tracker.live_bytes
+    loss: list[torch.Tensor] = []
+    peak = profiled_peak_bytes(lambda: loss.append(run()))
+    return Measurement(peak_bytes=start + peak, start_bytes=start, loss=float(loss[0].detach()))
+
+
+def measure_compiled_step(model: nn.Module, inputs: Any, config: TrainConfig) -> Measurement:
+    """Warm up one step (it compiles), then measure a second, steady-state step with the profiler."""
+    optimizer = make_optimizer(model.parameters(), config.optimizer)
+    model.train()
+    for p in model.parameters():
+        p.grad = None
+    run_training_step(model, inputs, optimizer, config.precision)
+    for p in model.parameters():
+        p.grad = None
+    return profiled_step(
+        model, inputs, optimizer, lambda: run_training_step(model, inputs, optimizer, config.precision)
+    )

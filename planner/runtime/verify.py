@@ -19,7 +19,7 @@ from planner.config import TrainConfig
 from planner.runtime.tracker import LiveBytesTracker
 from planner.tracing.recorder import loss_of, run_step_inputs
 
-__all__ = ["Measurement", "make_optimizer", "measure_step", "tracked_step"]
+__all__ = ["Measurement", "make_optimizer", "measure_step", "run_training_step", "tracked_step"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,8 @@ def make_optimizer(params, name: str) -> torch.optim.Optimizer | None:
     raise ValueError(f"optimizer '{name}' cannot run on this machine; verify with adamw, sgd, adafactor or none")
 
 
-def _step(model: nn.Module, inputs, optimizer, precision: str):
+def run_training_step(model: nn.Module, inputs, optimizer, precision: str) -> torch.Tensor:
+    """One training step (forward, backward, optimizer step) as memplan measures it; returns the loss."""
     autocast_dtype = get_precision(precision).autocast_dtype
     ctx = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
     with ctx:
@@ -65,11 +66,15 @@ def measure_step(model: nn.Module, inputs, config: TrainConfig) -> Measurement:
     model.train()
     for p in model.parameters():
         p.grad = None
-    _step(model, inputs, optimizer, config.precision)
+    run_training_step(model, inputs, optimizer, config.precision)
     for p in model.parameters():
         p.grad = None
     return tracked_step(
-        LiveBytesTracker(), model, inputs, optimizer, lambda: _step(model, inputs, optimizer, config.precision)
+        LiveBytesTracker(),
+        model,
+        inputs,
+        optimizer,
+        lambda: run_training_step(model, inputs, optimizer, config.precision),
     )
 
 

@@ -19,9 +19,10 @@ import functools
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from functorch.compile import aot_function, make_boxed_func
 from ortools.sat.python import cp_model
@@ -35,42 +36,33 @@ from torch.utils._pytree import tree_flatten, tree_map
 from costmodels.flops import op_bytes_accessed, op_flops
 from costmodels.hardware import DeviceSpec, get_device
 from costmodels.runtime import BANDWIDTH_EFFICIENCY, op_time_s
-from planner.api import trace_for
 from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget
+from planner.plans.format import CompiledPlan, CompiledPoint, CompiledPrediction
 from planner.runtime.auto import parse_budget
 from planner.signals import interruptible
+from planner.simulation.costs import storage_bytes
+from planner.simulation.effects import SpanChoice, dropped_tensors, module_span
 from planner.simulation.step import simulate
+from planner.solver.planning import graph_model_info
+from planner.tracing.graph import OpGraph
 from planner.tracing.hf import skip_init
 from planner.tracing.op_classes import ATTENTION_OPS, CONV_OPS, MATMUL_OPS
+from planner.tracing.recorder import trace_for
 from planner.tracing.specs import resolve_spec
 from planner.units import format_bytes
 
 __all__ = [
     "BUDGETS",
-    "CompiledPlan",
-    "CompiledPoint",
     "block_call",
     "block_frontier",
     "choose_budgets",
+    "CompiledSkeleton",
     "plan_compiled",
 ]
 
 BUDGETS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
 _HEAVY = MATMUL_OPS | CONV_OPS | ATTENTION_OPS
-
-
-@dataclass(frozen=True)
-class CompiledPoint:
-    """One split of a block by the partitioner: what it saves and what its backward recomputes."""
-
-    budget: float
-    saved_bytes: int
-    recompute_s: float
-    recompute_flops: int
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class _Stop(Exception):
@@ -184,7 +176,7 @@ def _split(block: nn.Module, args: tuple, kwargs: dict, budget: float) -> tuple[
         return torch.func.functional_call(block, dict(zip(names, params)), a, kw)
 
     params = [p.detach().requires_grad_(p.requires_grad) for p in block.parameters()]
-    tensors = [flat[k].detach().requires_grad_(flat[k].is_floating_point()) for k in tensor_at]
+    tensors = [flat[k].detach().requires_grad_(flat[k].requires_grad) for k in tensor_at]  # as the model calls it
     partition = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
     # BatchNorm's running-stat updates trip AOTAutograd's saved-tensor version check under remat;
     # training-mode BatchNorm computes the same with batch statistics only
@@ -230,23 +222,28 @@ def block_frontier(
 
 
 def choose_budgets(
-    frontiers: Sequence[Sequence[CompiledPoint]], activation_bytes: int, time_limit_s: float = 10.0
+    frontiers: Sequence[Sequence[CompiledPoint]],
+    windows: Sequence[tuple[Sequence[int], int]],
+    time_limit_s: float = 10.0,
 ) -> list[CompiledPoint]:
-    """One point per block with the least total recompute time whose saved bytes sum to at most
-    `activation_bytes` (CP-SAT; times in microseconds). InfeasibleBudget when even the smallest
-    points do not fit."""
-    least = sum(min(p.saved_bytes for p in f) for f in frontiers)
-    if least > activation_bytes:
+    """One point per block with the least total recompute time such that, in each window (the
+    indices of the blocks holding their saved bytes then, and the bytes left for them), the held
+    blocks' saved bytes fit (CP-SAT; times in microseconds). InfeasibleBudget when even the
+    smallest points do not fit."""
+    smallest = [min(p.saved_bytes for p in f) for f in frontiers]
+    short = max((sum(smallest[i] for i in held) - cap for held, cap in windows), default=0)
+    if short > 0:
         raise InfeasibleBudget(
-            f"the blocks save at least {least} bytes compiled, over the {activation_bytes} "
-            "bytes the budget leaves for them; raise the budget",
-            smallest_peak_bytes=least,
+            f"the blocks save {short} bytes more compiled, at their smallest, than the budget leaves "
+            "for them; raise the budget",
+            smallest_peak_bytes=short,
         )
     model = cp_model.CpModel()
     picks = [[model.new_bool_var(f"b{i}p{j}") for j in range(len(f))] for i, f in enumerate(frontiers)]
     for row in picks:
         model.add_exactly_one(row)
-    model.add(sum(v * p.saved_bytes for row, f in zip(picks, frontiers) for v, p in zip(row, f)) <= activation_bytes)
+    for held, cap in windows:
+        model.add(sum(v * p.saved_bytes for i in held for v, p in zip(picks[i], frontiers[i])) <= cap)
     model.minimize(sum(v * round(p.recompute_s * 1e6) for row, f in zip(picks, frontiers) for v, p in zip(row, f)))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
@@ -255,29 +252,9 @@ def choose_budgets(
         status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise InfeasibleBudget(
-            "CP-SAT found no per-block budgets in time; raise the time limit", smallest_peak_bytes=least
+            "CP-SAT found no per-block budgets in time; raise the time limit", smallest_peak_bytes=sum(smallest)
         )
     return [f[next(j for j, v in enumerate(row) if solver.value(v))] for row, f in zip(picks, frontiers)]
-
-
-@dataclass(frozen=True)
-class CompiledPlan:
-    """Per-block activation budgets for a compiled step, with what memplan predicts for it.
-
-    The compiled peak is predicted from the eager simulation: the no-plan peak, less what the blocks
-    save at budget 1.0, plus what they save at their chosen points (the rest of the step is taken
-    to be as eager runs it).
-    """
-
-    budget_bytes: int
-    budgets: dict[str, float]
-    predicted_peak_bytes: int
-    recompute_s: float
-    overhead: float
-    frontiers: dict[str, list[CompiledPoint]]  # block signature -> its frontier
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "frontiers": {k: [p.to_dict() for p in f] for k, f in self.frontiers.items()}}
 
 
 def plan_compiled(
@@ -301,22 +278,67 @@ def plan_compiled(
                     model.get_submodule(region.path), args, kwargs, device, budgets
                 )
     rows = [frontiers[r.signature] for r in graph.regions]
-    rest = timeline.peak_bytes - sum(f[0].saved_bytes for f in rows)  # f[0]: the point without recompute
-    smallest = rest + sum(min(p.saved_bytes for p in f) for f in rows)
+    skeleton = CompiledSkeleton.of(graph, config, [max(p.saved_bytes for p in f) for f in rows])
+    smallest = skeleton.peak_bytes([min(f, key=lambda p: p.saved_bytes) for f in rows])
     if smallest > budget_bytes:
         raise InfeasibleBudget(
             f"the smallest compiled peak memplan predicts is {format_bytes(smallest)}, over the "
             f"budget {format_bytes(budget_bytes)}; raise --budget",
             smallest_peak_bytes=smallest,
         )
-    chosen = choose_budgets(rows, budget_bytes - rest, time_limit_s)
+    chosen = choose_budgets(rows, skeleton.windows(budget_bytes), time_limit_s)
+    peak = skeleton.peak_bytes(chosen)
     recompute_s = sum(p.recompute_s for p in chosen)
     step_s = timeline.costs.step_s
     return CompiledPlan(
-        budget_bytes,
-        {r.path: p.budget for r, p in zip(graph.regions, chosen)},
-        rest + sum(p.saved_bytes for p in chosen),
-        recompute_s,
-        recompute_s / step_s if step_s else 0.0,
-        frontiers,
+        model=graph_model_info(graph),
+        config={**config.with_(compile=True).to_dict(), **graph.assumptions()},
+        budget_bytes=budget_bytes,
+        budgets={r.path: p.budget for r, p in zip(graph.regions, chosen)},
+        predicted=CompiledPrediction(peak, recompute_s, recompute_s / step_s if step_s else 0.0),
+        frontiers={k: tuple(v) for k, v in frontiers.items()},
     )
+
+
+@dataclass(frozen=True)
+class CompiledSkeleton:
+    """A compiled step around its blocks' splits: `base` bytes at each sample, and where each
+    block's saved bytes come on top (`held`, blocks x samples).
+
+    It comes from the eager step with every block checkpointed: model states, the blocks' inputs,
+    everything outside the blocks, and a block's re-created activations while its backward runs.
+    A block holds its split's saved bytes from the end of its forward to the start of its backward.
+    While its backward runs, what it recomputes is back and it holds what its split without
+    recompute saves (`unsplit_bytes`), in place of the activations the eager replay re-created.
+    """
+
+    base: np.ndarray
+    held: np.ndarray
+
+    @classmethod
+    def of(cls, graph: OpGraph, config: TrainConfig, unsplit_bytes: Sequence[int]) -> CompiledSkeleton:
+        """`unsplit_bytes[k]`: what block k (graph.regions order) saves compiled without recompute."""
+        spans = [module_span(graph, r.path) for r in graph.regions]
+        timeline = simulate(graph, config, choices=[SpanChoice(span, "recompute") for span in spans])
+        sizes = storage_bytes(graph, config)
+        at = timeline.op_index
+        base = timeline.total.astype(np.int64)
+        held = np.zeros((len(spans), len(at)), dtype=np.int64)
+        for k, span in enumerate(spans):
+            replay = sum(sizes[t] for t in dropped_tensors(graph, span))
+            base[(at >= span.bwd_start) & (at < span.bwd_end)] += unsplit_bytes[k] - replay
+            held[k, (at >= span.fwd_end) & (at < span.bwd_start)] = 1
+        return cls(base, held)
+
+    def peak_bytes(self, points: Sequence[CompiledPoint]) -> int:
+        """Peak of the step with block k split at points[k]."""
+        saved = np.array([p.saved_bytes for p in points], dtype=np.int64)
+        return int((self.base + saved @ self.held).max())
+
+    def windows(self, budget_bytes: int) -> list[tuple[tuple[int, ...], int]]:
+        """Per distinct set of holding blocks: (their indices, the budget less the highest base while
+        exactly they hold), the constraints of choose_budgets."""
+        sets, which = np.unique(self.held.T, axis=0, return_inverse=True)
+        highest = np.full(len(sets), np.iinfo(np.int64).min)
+        np.maximum.at(highest, which.ravel(), self.base)
+        return [(tuple(np.flatnonzero(row).tolist()), int(budget_bytes - top)) for row, top in zip(sets, highest)]

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.config import DEFAULT_TIME_LIMIT_S, TrainConfig
-from planner.errors import InfeasibleBudget
+from planner.errors import InfeasibleBudget, SpecError
 from planner.plans.format import Decision, ModelInfo, Plan, Predicted, SolverInfo
 from planner.simulation.effects import SpanChoice, op_keys
 from planner.simulation.step import Timeline, simulate
@@ -16,7 +16,7 @@ from planner.solver.cpsat import solve_choices
 from planner.tracing.graph import OpGraph
 from planner.units import format_bytes
 
-__all__ = ["solve", "decisions_for", "StrategyRow", "compare_strategies", "BASELINES"]
+__all__ = ["solve", "decisions_for", "graph_model_info", "StrategyRow", "compare_strategies", "BASELINES"]
 
 BASELINES = ("none", "full", "every-2", "sqrt", "op-sac", "op-sac-alt", "megatron-selective")
 
@@ -34,6 +34,17 @@ def decisions_for(graph: OpGraph, choices: Sequence[SpanChoice]) -> tuple[Decisi
     return tuple(out)
 
 
+def graph_model_info(graph: OpGraph) -> ModelInfo:
+    """Which model a trace is of, as a plan records it."""
+    meta = graph.meta
+    return ModelInfo(
+        spec=str(meta.get("model", "model")),
+        fingerprint=meta["fingerprint"],
+        num_parameters=graph.num_parameters,
+        num_modules=int(meta["num_modules"]),
+    )
+
+
 def _plan(
     graph: OpGraph,
     config: TrainConfig,
@@ -45,14 +56,8 @@ def _plan(
     solver: SolverInfo,
 ) -> Plan:
     costs = timeline.costs
-    meta = graph.meta
     return Plan(
-        model=ModelInfo(
-            spec=str(meta.get("model", "model")),
-            fingerprint=meta["fingerprint"],
-            num_parameters=graph.num_parameters,
-            num_modules=int(meta["num_modules"]),
-        ),
+        model=graph_model_info(graph),
         config={**config.to_dict(), **graph.assumptions()},
         budget_bytes=int(budget_bytes),
         strategy=strategy,
@@ -86,6 +91,11 @@ def solve(
 
     Raises InfeasibleBudget (a ValueError naming the smallest reachable peak) when nothing fits.
     """
+    if config.compile:
+        raise SpecError(
+            "a plan for torch.compile needs the model, not only its trace: use planner.plan_compiled(spec, "
+            "config, budget) or memplan plan --compile"
+        )
     check_strategy(strategy)
     baseline = simulate(graph, config)
     if strategy == "optimal":

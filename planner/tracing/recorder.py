@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from costmodels.memory import get_precision
+from planner.config import TrainConfig
 from planner.errors import SpecError, TraceError
 from planner.tracing.blocks import (
     find_region_paths,
@@ -34,7 +35,16 @@ from planner.tracing.fingerprint import model_fingerprint
 from planner.tracing.graph import OpGraph, OpNode, Region, TensorInfo
 from planner.tracing.specs import ModelSpec, resolve_spec
 
-__all__ = ["TraceError", "cast_parameters", "forward_context", "loss_of", "run_step_inputs", "trace", "trace_model"]
+__all__ = [
+    "TraceError",
+    "cast_parameters",
+    "forward_context",
+    "loss_of",
+    "run_step_inputs",
+    "trace",
+    "trace_for",
+    "trace_model",
+]
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -365,3 +375,17 @@ def trace(
         graph.meta["moe"] = routing.to_dict()
     graph.meta.update(batch_size=batch_size, seq_len=seq_len)
     return graph
+
+
+def trace_for(spec: str, config: TrainConfig, lifetimes: bool = True):
+    """The trace a config needs (ZeRO-3 traces parameters as FSDP gathers them)."""
+    return trace(
+        spec,
+        batch_size=config.batch_size,
+        seq_len=config.seq_len,
+        precision=config.precision,
+        gathered_params=config.zero_stage == 3,
+        lifetimes=lifetimes,
+        moe_imbalance=config.moe_imbalance,
+        blocks=config.blocks,
+    )
