@@ -9,6 +9,11 @@ and memplan's compiled plan (per-block budgets, planner.solver.compiled) at the 
 measured (`memplan compiled @B`). Compiled steps use inductor (`--quick`: aot_eager_decomp_partition,
 the same min-cut partitioner without code generation).
 
+- Allocator: each model runs in its own process with glibc told to keep freed memory
+  (`ALLOCATOR_ENV`: no mmap per large block, no trim), as CUDA's caching allocator keeps its
+  blocks. With glibc's defaults every step pays page faults for the memory it touches afresh, so
+  keeping activations costs time that no GPU step pays, and on this CPU recomputing measured
+  faster than keeping.
 - Time: strategies run round-robin, one step each per round, so drifts of the machine hit all of
   them alike; each step is timed only when the machine is quiet (benchmarks/quiet.py) and the
   other processes' CPU time is recorded per step. Overhead = median step / median step of none - 1.
@@ -22,8 +27,12 @@ the same min-cut partitioner without code generation).
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
+import os
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import Options, gb, pct, print_table
+from benchmarks.common import Options, gb, pct, print_table, to_jsonable
 from benchmarks.quiet import timed_quiet
 from costmodels.calibration import FULL, QUICK, calibrate
 from costmodels.hardware import profile_dict
@@ -39,8 +48,7 @@ from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget
 from planner.plans.format import Plan
 from planner.runtime.apply import apply_plan
-from planner.runtime.compiled import compile_blocks, profiled_peak_bytes
-from planner.runtime.tracker import LiveBytesTracker
+from planner.runtime.compiled import compile_blocks, profiled_step
 from planner.runtime.verify import make_optimizer, measure_step
 from planner.simulation.step import simulate
 from planner.solver.compiled import BUDGETS, plan_compiled
@@ -99,12 +107,14 @@ def _images(batch_size: int, side: int):
     return torch.randn(batch_size, 3, side, side, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
 
 
-# name, (builder, batch, seq) full, (builder, batch, seq) --quick
+# name, (builder, batch, seq) full (steps of about 1 s on 2 cores), (builder, batch, seq) --quick
 MODELS = [
-    ("gpt", ("gpt_bench", 2, 512), ("gpt_toy", 2, 128)),
-    ("llama", ("llama_bench", 2, 512), ("llama_toy", 2, 128)),
-    ("resnet", ("resnet_bench", 16, 64), ("resnet_toy", 4, 32)),
+    ("gpt", ("gpt_bench", 6, 512), ("gpt_toy", 2, 128)),
+    ("llama", ("llama_bench", 6, 512), ("llama_toy", 2, 128)),
+    ("resnet", ("resnet_bench", 48, 64), ("resnet_toy", 4, 32)),
 ]
+ALLOCATOR_ENV = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=68719476736"}
+ROUNDS = 13  # the first warms up and is not kept
 
 
 def _plans(graph, config: TrainConfig) -> dict[str, Plan | str]:
@@ -138,23 +148,18 @@ class _Runner:
         return out
 
     def step(self) -> None:
-        loss_of(run_step_inputs(self.model, self.inputs)).backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._run()
 
     def profiled_peak(self) -> int:
-        """Peak of a compiled step: what exists before it (as measure_step counts it) plus the
-        profiler's peak during it (LiveBytesTracker does not see inductor's buffers)."""
-        tracker = LiveBytesTracker()
-        tracker.track_all(
-            [
-                list(self.model.parameters()),
-                list(self.model.buffers()),
-                self.inputs,
-                self.optimizer.state_dict()["state"],
-            ]
-        )
-        return tracker.live_bytes + profiled_peak_bytes(self.step)
+        """Peak of a compiled step from the profiler (LiveBytesTracker does not see inductor's buffers)."""
+        return profiled_step(self.model, self.inputs, self.optimizer, self._run).peak_bytes
+
+    def _run(self) -> torch.Tensor:
+        loss = loss_of(run_step_inputs(self.model, self.inputs))
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
 
     def close(self) -> None:
         if self.handle is not None:
@@ -205,8 +210,8 @@ def _compiled_entries(spec: str, base, inputs, config: TrainConfig, quick: bool)
             "grads": runner.grads(),  # compiles
             "measured_peak_bytes": runner.profiled_peak(),
             "budget_bytes": peak,
-            "predicted_peak_bytes": plan.predicted_peak_bytes,
-            "predicted_overhead": plan.overhead,
+            "predicted_peak_bytes": plan.predicted.peak_bytes,
+            "predicted_overhead": plan.predicted.overhead,
             "block_budgets": plan.budgets,
         }
     return out
@@ -240,7 +245,7 @@ def _model_rows(name: str, builder: str, batch: int, seq: int, profile: str, opt
         entries[s]["grads_equal"] = len(got) == len(reference) and all(
             torch.allclose(a, b, rtol=tol, atol=tol * 1e-2) for a, b in zip(got, reference)
         )
-    rounds = 2 if opts.quick else 9
+    rounds = 2 if opts.quick else ROUNDS
     attempts = 1 if opts.quick else 10
     for k in range(rounds):  # round-robin; the first round warms up and is not kept
         for r in runners.values():
@@ -272,15 +277,46 @@ def _model_rows(name: str, builder: str, batch: int, seq: int, profile: str, opt
     return rows
 
 
+def _calibrated_profile(folder: Path, quick: bool) -> Path:
+    """Calibrate this machine (in a process with ALLOCATOR_ENV, as the models run) into folder/device.json."""
+    profile = folder / "device.json"
+    _in_own_process(["--calibrate", str(profile)] + (["--quick"] if quick else []))
+    return profile
+
+
+def _in_own_process(argv: list[str]) -> None:
+    env = {**os.environ, **ALLOCATOR_ENV}
+    subprocess.run([sys.executable, "-m", "benchmarks.measured_time", *argv], env=env, check=True)
+
+
 def run(opts: Options) -> list[dict]:
-    cal = calibrate(QUICK if opts.quick else FULL)
-    profile = Path(tempfile.mkdtemp(prefix="memplan-bench-")) / "device.json"
-    profile.write_text(json.dumps(profile_dict(cal.device, cal.measured())))
+    folder = Path(tempfile.mkdtemp(prefix="memplan-bench-"))
+    profile = _calibrated_profile(folder, opts.quick)
     rows = []
-    for name, full, quick in opts.select(MODELS):
-        builder, batch, seq = quick if opts.quick else full
-        rows += _model_rows(name, builder, batch, seq, str(profile), opts)
+    for name, _full, _quick in opts.select(MODELS):
+        out = folder / f"{name}.json"
+        _in_own_process(["--model", name, "--profile", str(profile), "--out", str(out)] + (["--quick"] * opts.quick))
+        rows += json.loads(out.read_text())
     return rows
+
+
+def _main(argv: list[str] | None = None) -> None:
+    """One model's rows (or the calibration) in this process: run by `run` with ALLOCATOR_ENV set."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.measured_time")
+    p.add_argument("--calibrate", metavar="PROFILE")
+    p.add_argument("--model", choices=[m[0] for m in MODELS])
+    p.add_argument("--profile")
+    p.add_argument("--out")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    if args.calibrate:
+        cal = calibrate(QUICK if args.quick else FULL)
+        Path(args.calibrate).write_text(json.dumps(profile_dict(cal.device, cal.measured())))
+        return
+    _name, full, quick = next(m for m in MODELS if m[0] == args.model)
+    builder, batch, seq = quick if args.quick else full
+    rows = _model_rows(args.model, builder, batch, seq, args.profile, Options(quick=args.quick))
+    Path(args.out).write_text(json.dumps(to_jsonable(rows)))
 
 
 def show(rows: list[dict]) -> None:
@@ -326,3 +362,7 @@ def show(rows: list[dict]) -> None:
             for r in rows
         ],
     )
+
+
+if __name__ == "__main__":
+    _main()
