@@ -9,9 +9,10 @@ and memplan's compiled plan (per-block budgets, planner.solver.compiled) at the 
 measured (`memplan compiled @B`). Compiled steps use inductor (`--quick`: aot_eager_decomp_partition,
 the same min-cut partitioner without code generation).
 
-- Allocator: each model runs in its own process with glibc told to keep freed memory
-  (`ALLOCATOR_ENV`: no mmap per large block, no trim), as CUDA's caching allocator keeps its
-  blocks. With glibc's defaults every step pays page faults for the memory it touches afresh, so
+- Processes: each model runs twice, the eager strategies in one process and the compiled ones in
+  another (`RUNS`), each with its own none to measure overheads against. Every process has glibc
+  told to keep freed memory (`ALLOCATOR_ENV`: no mmap per large block, no trim), as CUDA's caching
+  allocator keeps its blocks. With glibc's defaults every step pays page faults for the memory it touches afresh, so
   keeping activations costs time that no GPU step pays, and on this CPU recomputing measured
   faster than keeping.
 - Time: strategies run round-robin, one step each per round, so drifts of the machine hit all of
@@ -115,6 +116,10 @@ MODELS = [
 ]
 ALLOCATOR_ENV = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=68719476736"}
 ROUNDS = 13  # the first warms up and is not kept
+# Eager and compiled strategies run in separate processes, each against its own none: inductor's
+# kernels leave OpenMP threads spinning after they return, which slowed the eager steps that followed
+# them (noise 3-9% and overheads up to 9 points higher than in an eager-only process).
+RUNS = ("eager", "compiled")
 
 
 def _plans(graph, config: TrainConfig) -> dict[str, Plan | str]:
@@ -217,10 +222,13 @@ def _compiled_entries(spec: str, base, inputs, config: TrainConfig, quick: bool)
     return out
 
 
-def _model_rows(name: str, builder: str, batch: int, seq: int, profile: str, opts: Options) -> list[dict]:
+def _model_rows(name: str, builder: str, batch: int, seq: int, profile: str, opts: Options, run: str) -> list[dict]:
+    """The rows of one run: "eager" (none, the baselines, memplan's plans) or "compiled" (none, then
+    compile-budget B and memplan compiled @B), each strategy timed round-robin in this process."""
     config = TrainConfig(batch_size=batch, seq_len=seq, gpu=profile)
     spec = f"{PATH}:{builder}"
-    plans = _plans(trace(spec, batch_size=batch, seq_len=seq), config)
+    graph = trace(spec, batch_size=batch, seq_len=seq)
+    plans = _plans(graph, config) if run == "eager" else {"none": solve(graph, config, 10**15, strategy="none")}
     torch.manual_seed(0)
     base, inputs = globals()[builder](batch, seq)
     base.train()
@@ -236,7 +244,8 @@ def _model_rows(name: str, builder: str, batch: int, seq: int, profile: str, opt
             "predicted_overhead": plan.predicted.overhead,
             "budget_bytes": plan.budget_bytes if s.startswith("memplan") else None,
         }
-    entries |= _compiled_entries(spec, base, inputs, config, opts.quick)
+    if run == "compiled":
+        entries |= _compiled_entries(spec, base, inputs, config, opts.quick)
     runners = {s: e["runner"] for s, e in entries.items() if "runner" in e}
     reference = runners["none"].grads()
     for s, r in runners.items():  # eager recomputes exactly; compiled kernels may round differently
@@ -257,7 +266,7 @@ def _model_rows(name: str, builder: str, batch: int, seq: int, profile: str, opt
     none_s = float(np.median([t.wall_s for t in runners["none"].steps]))
     rows = []
     for s, e in entries.items():
-        row = {"model": name, "batch_size": batch, "seq_len": seq, "strategy": s}
+        row = {"model": name, "batch_size": batch, "seq_len": seq, "run": run, "strategy": s}
         runner = e.pop("runner", None)
         if runner is None:
             rows.append({**row, **e})
@@ -294,9 +303,11 @@ def run(opts: Options) -> list[dict]:
     profile = _calibrated_profile(folder, opts.quick)
     rows = []
     for name, _full, _quick in opts.select(MODELS):
-        out = folder / f"{name}.json"
-        _in_own_process(["--model", name, "--profile", str(profile), "--out", str(out)] + (["--quick"] * opts.quick))
-        rows += json.loads(out.read_text())
+        for run_kind in RUNS:
+            out = folder / f"{name}-{run_kind}.json"
+            argv = ["--model", name, "--run", run_kind, "--profile", str(profile), "--out", str(out)]
+            _in_own_process(argv + ["--quick"] * opts.quick)
+            rows += json.loads(out.read_text())
     return rows
 
 
@@ -305,6 +316,7 @@ def _main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.measured_time")
     p.add_argument("--calibrate", metavar="PROFILE")
     p.add_argument("--model", choices=[m[0] for m in MODELS])
+    p.add_argument("--run", choices=RUNS)
     p.add_argument("--profile")
     p.add_argument("--out")
     p.add_argument("--quick", action="store_true")
@@ -315,7 +327,7 @@ def _main(argv: list[str] | None = None) -> None:
         return
     _name, full, quick = next(m for m in MODELS if m[0] == args.model)
     builder, batch, seq = quick if args.quick else full
-    rows = _model_rows(args.model, builder, batch, seq, args.profile, Options(quick=args.quick))
+    rows = _model_rows(args.model, builder, batch, seq, args.profile, Options(quick=args.quick), args.run)
     Path(args.out).write_text(json.dumps(to_jsonable(rows)))
 
 
@@ -329,9 +341,10 @@ def show(rows: list[dict]) -> None:
         return f"{np.mean([t['other_cpu_s'] for t in steps]):.3f}" if steps else "-"
 
     print_table(
-        "measured time: eager CPU fp32 AdamW steps, strategies interleaved round-robin",
+        "measured time: CPU fp32 AdamW steps, strategies interleaved round-robin in each run",
         [
             "model",
+            "run",
             "strategy",
             "budget",
             "meas. peak",
@@ -347,6 +360,7 @@ def show(rows: list[dict]) -> None:
         [
             [
                 r["model"],
+                r["run"],
                 r["strategy"],
                 gb(r.get("budget_bytes")),
                 gb(r.get("measured_peak_bytes")),

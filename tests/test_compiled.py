@@ -25,7 +25,7 @@ from planner.runtime.apply import apply_plan
 from planner.runtime.compiled import compile_blocks, measure_compiled_step, profiled_peak_bytes
 from planner.runtime.tracker import LiveBytesTracker
 from planner.simulation.step import simulate
-from planner.solver.compiled import block_call, block_frontier, choose_budgets, plan_compiled
+from planner.solver.compiled import Window, block_call, block_frontier, choose_budgets, plan_compiled
 from planner.solver.planning import solve
 
 BATCH, SEQ = 2, 32
@@ -59,13 +59,13 @@ points = st.lists(st.tuples(st.integers(0, 100), st.integers(0, 100)), min_size=
 @settings(max_examples=40, deadline=None)
 @given(st.lists(points, min_size=1, max_size=3), st.integers(0, 300))
 def test_choice_is_the_cheapest_that_fits(raw, cap):
-    frontiers = [[CompiledPoint(1.0, s, t * 1e-6, 0) for s, t in block] for block in raw]
+    frontiers = [[CompiledPoint(1.0, s, t * 1e-6, 0, s) for s, t in block] for block in raw]
     fits = [c for c in itertools.product(*frontiers) if sum(p.saved_bytes for p in c) <= cap]
     if not fits:
         with pytest.raises(InfeasibleBudget):
-            choose_budgets(frontiers, [(range(len(frontiers)), cap)])
+            choose_budgets(frontiers, [Window(tuple(range(len(frontiers))), (), cap)])
         return
-    chosen = choose_budgets(frontiers, [(range(len(frontiers)), cap)])
+    chosen = choose_budgets(frontiers, [Window(tuple(range(len(frontiers))), (), cap)])
     assert sum(p.saved_bytes for p in chosen) <= cap
     assert sum(p.recompute_s for p in chosen) == pytest.approx(min(sum(p.recompute_s for p in c) for c in fits))
 
@@ -138,7 +138,7 @@ def test_plan_compiled_fits_the_budget():
     tight = plan_compiled(spec, config, top - saved // 2, budgets=(1.0, 0.5, 0.0))
     assert tight.predicted.peak_bytes <= top - saved // 2 and tight.predicted.recompute_s > 0
     assert sorted(tight.budgets.values())[0] < 1.0
-    with pytest.raises(InfeasibleBudget, match="smallest compiled peak"):
+    with pytest.raises(InfeasibleBudget, match="the compiled peak is"):
         plan_compiled(spec, config, top // 4, budgets=(1.0, 0.5, 0.0))
 
 

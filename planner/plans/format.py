@@ -306,6 +306,7 @@ class CompiledPoint:
     saved_bytes: int
     recompute_s: float
     recompute_flops: int
+    backward_bytes: int  # peak its backward graph holds: saved tensors, recomputed ones and gradients
 
 
 @dataclass(frozen=True)

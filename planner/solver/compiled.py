@@ -16,6 +16,7 @@ saved bytes fit what the budget leaves for activations.
 from __future__ import annotations
 
 import functools
+import operator
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -37,7 +38,7 @@ from costmodels.flops import op_bytes_accessed, op_flops
 from costmodels.hardware import DeviceSpec, get_device
 from costmodels.runtime import BANDWIDTH_EFFICIENCY, op_time_s
 from planner.config import TrainConfig
-from planner.errors import InfeasibleBudget
+from planner.errors import InfeasibleBudget, SolverTimeout
 from planner.plans.format import CompiledPlan, CompiledPoint, CompiledPrediction
 from planner.runtime.auto import parse_budget
 from planner.signals import interruptible
@@ -58,6 +59,7 @@ __all__ = [
     "block_frontier",
     "choose_budgets",
     "CompiledSkeleton",
+    "Window",
     "plan_compiled",
 ]
 
@@ -125,6 +127,39 @@ def _base(n: torch.fx.Node) -> torch.fx.Node:
     while n.op == "call_function" and getattr(n.target, "is_view", False) and isinstance(n.args[0], torch.fx.Node):
         n = n.args[0]
     return n
+
+
+def _owner(n: torch.fx.Node) -> torch.fx.Node:
+    """The node that allocated what `n` holds: through views and through items of a multi-output op."""
+    while n.op == "call_function" and isinstance(n.args[0] if n.args else None, torch.fx.Node):
+        if not (getattr(n.target, "is_view", False) or n.target is operator.getitem):
+            break
+        n = n.args[0]
+    return n
+
+
+def _tensor_bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+
+
+def _backward_peak_bytes(bw: torch.fx.GraphModule) -> int:
+    """Peak bytes the backward graph holds as inductor runs it: its inputs (saved tensors and
+    incoming gradients) until their last use, each node's output from its node to its last use,
+    the graph's outputs to the end."""
+    nodes = list(bw.graph.nodes)
+    last_use: dict[torch.fx.Node, int] = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last_use[_owner(a)] = len(nodes) if n.op == "output" else i
+    live = peak = 0
+    for i, n in enumerate(nodes):
+        if n.op in ("placeholder", "call_function") and _owner(n) is n:
+            live += _tensor_bytes(n.meta.get("val"))
+        peak = max(peak, live)
+        for a in {_owner(x) for x in n.all_input_nodes}:
+            if last_use.get(a) == i:
+                live -= _tensor_bytes(a.meta.get("val"))
+    return peak
 
 
 def _saved_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:
@@ -212,7 +247,7 @@ def block_frontier(
             if seen[k] > base.get(k, 0):  # beyond the budget-1.0 backward: a recompute
                 s, f = _node_cost(n, device)
                 seconds, flops = seconds + s, flops + f
-        points.append(CompiledPoint(budget, _saved_bytes(fw, bw), seconds, flops))
+        points.append(CompiledPoint(budget, _saved_bytes(fw, bw), seconds, flops, _backward_peak_bytes(bw)))
     points.sort(key=lambda p: (p.recompute_s, p.saved_bytes))
     frontier: list[CompiledPoint] = []
     for p in points:
@@ -221,39 +256,46 @@ def block_frontier(
     return frontier
 
 
+SAVED, BACKWARD = 1, 2  # what a block's split adds at a sample of a CompiledSkeleton
+
+
+@dataclass(frozen=True)
+class Window:
+    """A stretch of the step: blocks holding their saved bytes, blocks running their backward, and
+    the bytes the budget leaves them there."""
+
+    saved: tuple[int, ...]
+    backward: tuple[int, ...]
+    cap_bytes: int
+
+    def bytes_of(self, points: Sequence[CompiledPoint]) -> int:
+        return sum(points[i].saved_bytes for i in self.saved) + sum(points[i].backward_bytes for i in self.backward)
+
+
 def choose_budgets(
-    frontiers: Sequence[Sequence[CompiledPoint]],
-    windows: Sequence[tuple[Sequence[int], int]],
-    time_limit_s: float = 10.0,
+    frontiers: Sequence[Sequence[CompiledPoint]], windows: Sequence[Window], time_limit_s: float = 10.0
 ) -> list[CompiledPoint]:
-    """One point per block with the least total recompute time such that, in each window (the
-    indices of the blocks holding their saved bytes then, and the bytes left for them), the held
-    blocks' saved bytes fit (CP-SAT; times in microseconds). InfeasibleBudget when even the
-    smallest points do not fit."""
-    smallest = [min(p.saved_bytes for p in f) for f in frontiers]
-    short = max((sum(smallest[i] for i in held) - cap for held, cap in windows), default=0)
-    if short > 0:
-        raise InfeasibleBudget(
-            f"the blocks save {short} bytes more compiled, at their smallest, than the budget leaves "
-            "for them; raise the budget",
-            smallest_peak_bytes=short,
-        )
+    """One point per block with the least total recompute time such that in every window the blocks'
+    bytes fit its cap (CP-SAT; times in microseconds). InfeasibleBudget when even the smallest
+    points do not fit."""
     model = cp_model.CpModel()
     picks = [[model.new_bool_var(f"b{i}p{j}") for j in range(len(f))] for i, f in enumerate(frontiers)]
     for row in picks:
         model.add_exactly_one(row)
-    for held, cap in windows:
-        model.add(sum(v * p.saved_bytes for i in held for v, p in zip(picks[i], frontiers[i])) <= cap)
+    for w in windows:
+        terms = [v * p.saved_bytes for i in w.saved for v, p in zip(picks[i], frontiers[i])]
+        terms += [v * p.backward_bytes for i in w.backward for v, p in zip(picks[i], frontiers[i])]
+        model.add(sum(terms) <= w.cap_bytes)
     model.minimize(sum(v * round(p.recompute_s * 1e6) for row, f in zip(picks, frontiers) for v, p in zip(row, f)))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = 1
     with interruptible(solver):  # Ctrl-C stops the search and raises; the caller's SIGINT handler stays
         status = solver.solve(model)
+    if status == cp_model.INFEASIBLE:
+        raise InfeasibleBudget("no per-block budgets fit every window; raise the budget")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise InfeasibleBudget(
-            "CP-SAT found no per-block budgets in time; raise the time limit", smallest_peak_bytes=sum(smallest)
-        )
+        raise SolverTimeout(f"CP-SAT found no per-block budgets in {time_limit_s:g}s; raise --time-limit")
     return [f[next(j for j, v in enumerate(row) if solver.value(v))] for row, f in zip(picks, frontiers)]
 
 
@@ -278,15 +320,16 @@ def plan_compiled(
                     model.get_submodule(region.path), args, kwargs, device, budgets
                 )
     rows = [frontiers[r.signature] for r in graph.regions]
-    skeleton = CompiledSkeleton.of(graph, config, [max(p.saved_bytes for p in f) for f in rows])
-    smallest = skeleton.peak_bytes([min(f, key=lambda p: p.saved_bytes) for f in rows])
-    if smallest > budget_bytes:
+    skeleton = CompiledSkeleton.of(graph, config, [max(f, key=lambda p: p.saved_bytes) for f in rows])
+    try:
+        chosen = choose_budgets(rows, skeleton.windows(budget_bytes), time_limit_s)
+    except InfeasibleBudget:
+        smallest = skeleton.peak_bytes([min(f, key=lambda p: p.saved_bytes) for f in rows])
         raise InfeasibleBudget(
-            f"the smallest compiled peak memplan predicts is {format_bytes(smallest)}, over the "
-            f"budget {format_bytes(budget_bytes)}; raise --budget",
+            f"no per-block activation budgets fit {format_bytes(budget_bytes)}; with the least each block "
+            f"can save the compiled peak is {format_bytes(smallest)}; raise --budget",
             smallest_peak_bytes=smallest,
-        )
-    chosen = choose_budgets(rows, skeleton.windows(budget_bytes), time_limit_s)
+        ) from None
     peak = skeleton.peak_bytes(chosen)
     recompute_s = sum(p.recompute_s for p in chosen)
     step_s = timeline.costs.step_s
@@ -302,43 +345,54 @@ def plan_compiled(
 
 @dataclass(frozen=True)
 class CompiledSkeleton:
-    """A compiled step around its blocks' splits: `base` bytes at each sample, and where each
-    block's saved bytes come on top (`held`, blocks x samples).
+    """A compiled step around its blocks' splits: `base` bytes at each sample, and what each block's
+    split adds on top (`holds`, blocks x samples): its saved bytes (SAVED) from the end of its
+    forward to the start of its backward, its backward graph's peak (BACKWARD) while that runs.
 
     It comes from the eager step with every block checkpointed: model states, the blocks' inputs,
-    everything outside the blocks, and a block's re-created activations while its backward runs.
-    A block holds its split's saved bytes from the end of its forward to the start of its backward.
-    While its backward runs, what it recomputes is back and it holds what its split without
-    recompute saves (`unsplit_bytes`), in place of the activations the eager replay re-created.
+    everything outside the blocks, and a block's re-created activations and gradient temporaries
+    while its backward runs. In a block's backward, the split without recompute (`unsplit`) stands
+    in for the eager replay: base gains its saved bytes less the replay and less its backward peak,
+    and the chosen split's backward peak comes on top (so the unsplit split reads as itself).
     """
 
     base: np.ndarray
-    held: np.ndarray
+    holds: np.ndarray
 
     @classmethod
-    def of(cls, graph: OpGraph, config: TrainConfig, unsplit_bytes: Sequence[int]) -> CompiledSkeleton:
-        """`unsplit_bytes[k]`: what block k (graph.regions order) saves compiled without recompute."""
+    def of(cls, graph: OpGraph, config: TrainConfig, unsplit: Sequence[CompiledPoint]) -> CompiledSkeleton:
+        """`unsplit[k]`: block k's split without recompute (graph.regions order)."""
         spans = [module_span(graph, r.path) for r in graph.regions]
         timeline = simulate(graph, config, choices=[SpanChoice(span, "recompute") for span in spans])
         sizes = storage_bytes(graph, config)
         at = timeline.op_index
         base = timeline.total.astype(np.int64)
-        held = np.zeros((len(spans), len(at)), dtype=np.int64)
-        for k, span in enumerate(spans):
+        holds = np.zeros((len(spans), len(at)), dtype=np.int8)
+        for k, (span, point) in enumerate(zip(spans, unsplit)):
             replay = sum(sizes[t] for t in dropped_tensors(graph, span))
-            base[(at >= span.bwd_start) & (at < span.bwd_end)] += unsplit_bytes[k] - replay
-            held[k, (at >= span.fwd_end) & (at < span.bwd_start)] = 1
-        return cls(base, held)
+            backward = (at >= span.bwd_start) & (at < span.bwd_end)
+            base[backward] += point.saved_bytes - replay - point.backward_bytes
+            holds[k, (at >= span.fwd_end) & (at < span.bwd_start)] = SAVED
+            holds[k, backward] = BACKWARD
+        return cls(base, holds)
 
     def peak_bytes(self, points: Sequence[CompiledPoint]) -> int:
         """Peak of the step with block k split at points[k]."""
         saved = np.array([p.saved_bytes for p in points], dtype=np.int64)
-        return int((self.base + saved @ self.held).max())
+        backward = np.array([p.backward_bytes for p in points], dtype=np.int64)
+        return int((self.base + saved @ (self.holds == SAVED) + backward @ (self.holds == BACKWARD)).max())
 
-    def windows(self, budget_bytes: int) -> list[tuple[tuple[int, ...], int]]:
-        """Per distinct set of holding blocks: (their indices, the budget less the highest base while
-        exactly they hold), the constraints of choose_budgets."""
-        sets, which = np.unique(self.held.T, axis=0, return_inverse=True)
-        highest = np.full(len(sets), np.iinfo(np.int64).min)
+    def windows(self, budget_bytes: int) -> list[Window]:
+        """One constraint of choose_budgets per distinct pattern of what the blocks hold: the budget
+        less the highest base under that pattern."""
+        patterns, which = np.unique(self.holds.T, axis=0, return_inverse=True)
+        highest = np.full(len(patterns), np.iinfo(np.int64).min)
         np.maximum.at(highest, which.ravel(), self.base)
-        return [(tuple(np.flatnonzero(row).tolist()), int(budget_bytes - top)) for row, top in zip(sets, highest)]
+        return [
+            Window(
+                tuple(np.flatnonzero(row == SAVED).tolist()),
+                tuple(np.flatnonzero(row == BACKWARD).tolist()),
+                int(budget_bytes - top),
+            )
+            for row, top in zip(patterns, highest)
+        ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -133,6 +134,27 @@ def _problem(
         clock,
         graph.backward_start,
     )
+
+
+_PROBLEMS: dict[tuple, tuple[weakref.ref, _Problem]] = {}
+_PROBLEMS_KEPT = 4  # a fit search sweeps many configs of one graph: keep only the latest few
+
+
+def _cached_problem(
+    graph: OpGraph, config: TrainConfig, offload: str | None, keep: set[str], force: set[str], times: np.ndarray
+) -> _Problem:
+    """_problem, kept while the graph lives: it does not depend on the budget, so re-planning the same
+    trace for another budget (auto_checkpoint's set_budget, the monitor) skips the option effects."""
+    key = (id(graph), get_device(config.gpu), config, offload, frozenset(keep), frozenset(force))
+    hit = _PROBLEMS.get(key)
+    if hit is not None and hit[0]() is graph:
+        return hit[1]
+    problem = _problem(graph, config, offload, keep, force, times)
+    while len(_PROBLEMS) >= _PROBLEMS_KEPT:
+        del _PROBLEMS[next(iter(_PROBLEMS))]
+    _PROBLEMS[key] = (weakref.ref(graph), problem)
+    weakref.finalize(graph, _PROBLEMS.pop, key, None)
+    return problem
 
 
 def _undominated(opts: list[BlockOption], effs: list[OptionEffect | None]):
@@ -390,7 +412,7 @@ def solve_choices(
     if keep_set & force_set:
         raise MemplanError(f"modules both kept and recomputed: {', '.join(sorted(keep_set & force_set))}")
     times = op_times(graph, get_device(config.gpu))
-    p = _problem(graph, config, offload, keep_set, force_set, times)
+    p = _cached_problem(graph, config, offload, keep_set, force_set, times)
     n = len(graph.ops)
     if p.optimizer_peak > budget_bytes:
         raise _infeasible(graph, config, budget_bytes, p, offload)
