@@ -156,7 +156,9 @@ class _Runner:
         self._run()
 
     def profiled_peak(self) -> int:
-        """Peak of a compiled step from the profiler (LiveBytesTracker does not see inductor's buffers)."""
+        """Peak of a steady compiled step from the profiler (LiveBytesTracker does not see inductor's
+        buffers): a warm-up step first, so the optimizer's states exist as in every later step."""
+        self._run()
         return profiled_step(self.model, self.inputs, self.optimizer, self._run).peak_bytes
 
     def _run(self) -> torch.Tensor:
