@@ -4,6 +4,7 @@ backward too) and its cost; weakref finalizers record the op after which each st
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -45,9 +46,14 @@ def _kernel_storage_bytes(func, args, out: torch.Tensor, nbytes: int) -> int:
     return nbytes
 
 
+@functools.cache
+def _argument_names(func: Any) -> tuple[str, ...]:
+    return tuple(a.name for a in func._schema.arguments)
+
+
 def _variant(func: Any, args: tuple, kwargs: dict) -> str:
     """The op's string arguments as "name=value" pairs (GELU's approximate, ...), comma-joined."""
-    names = [a.name for a in func._schema.arguments]
+    names = _argument_names(func)
     pairs = [(names[i], v) for i, v in enumerate(args[: len(names)]) if isinstance(v, str)]
     pairs += [(k, v) for k, v in kwargs.items() if isinstance(v, str)]
     return ",".join(f"{k}={v}" for k, v in pairs)
