@@ -129,7 +129,7 @@ def plan_model(
     is a CompiledPlan of per-block activation budgets (no comparison rows)."""
     if config.compile:
         plan = plan_compiled(spec, config, budget_bytes, time_limit_s=time_limit_s)
-        return plan, [], simulate(trace_for(spec, config), config).peak_bytes
+        return plan, [], plan.predicted.baseline_peak_bytes
     graph = trace_for(spec, config)
     if isinstance(budget_bytes, str):
         budget_bytes = parse_budget(budget_bytes, simulate(graph, config).peak_bytes)

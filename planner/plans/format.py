@@ -110,6 +110,14 @@ def _check_finite(value: Any, where: str) -> None:
             _check_finite(v, f"{where}/{k}")
 
 
+def _json_copy(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A plain JSON copy of a plan's config, so the plan round-trips exactly."""
+    try:
+        return json.loads(json.dumps(dict(config), allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise PlanFileError(f"plan config must be JSON-serializable: {e}") from None
+
+
 def _plain(obj: Any) -> Any:
     """A dataclass as plain JSON data (tuples become lists, numpy scalars Python numbers)."""
 
@@ -193,11 +201,7 @@ class Plan:
     memplan_version: str = field(default_factory=_memplan_version)
 
     def __post_init__(self) -> None:
-        try:  # a plain JSON copy, so the plan round-trips exactly
-            config = json.loads(json.dumps(dict(self.config), allow_nan=False))
-        except (TypeError, ValueError) as e:
-            raise PlanFileError(f"plan config must be JSON-serializable: {e}") from None
-        object.__setattr__(self, "config", config)
+        object.__setattr__(self, "config", _json_copy(self.config))
         object.__setattr__(self, "decisions", tuple(self.decisions))
         _validate(self.to_dict(), "plan")
         seen: set[tuple[str, str | None]] = set()
@@ -314,6 +318,7 @@ class CompiledPrediction:
     """What memplan predicts for a compiled step under the plan."""
 
     peak_bytes: int
+    baseline_peak_bytes: int  # the eager step without a plan
     recompute_s: float
     overhead: float  # recompute_s over the eager step without a plan
 
@@ -333,11 +338,7 @@ class CompiledPlan:
     memplan_version: str = field(default_factory=_memplan_version)
 
     def __post_init__(self) -> None:
-        try:  # a plain JSON copy, so the plan round-trips exactly
-            config = json.loads(json.dumps(dict(self.config), allow_nan=False))
-        except (TypeError, ValueError) as e:
-            raise PlanFileError(f"plan config must be JSON-serializable: {e}") from None
-        object.__setattr__(self, "config", config)
+        object.__setattr__(self, "config", _json_copy(self.config))
         object.__setattr__(self, "budgets", dict(self.budgets))
         object.__setattr__(self, "frontiers", {k: tuple(v) for k, v in self.frontiers.items()})
         _validate(self.to_dict(), "compiled plan")

@@ -24,7 +24,7 @@ from torch.profiler._memory_profiler import Action
 
 from planner.config import TrainConfig
 from planner.runtime.tracker import LiveBytesTracker
-from planner.runtime.verify import Measurement, make_optimizer, run_training_step
+from planner.runtime.verify import Measurement, run_training_step, track_step_start, warmed_up
 
 __all__ = ["CompiledBlocks", "compile_blocks", "measure_compiled_step", "profiled_peak_bytes", "profiled_step"]
 
@@ -95,16 +95,7 @@ def profiled_peak_bytes(step: Callable[[], Any]) -> int:
 def profiled_step(model: nn.Module, inputs: Any, optimizer: Any, run: Callable[[], torch.Tensor]) -> Measurement:
     """Peak of one step `run()`: what exists before it (parameters, buffers, inputs, optimizer states,
     as memplan's tracker counts them) plus the profiler's peak during it."""
-    tracker = LiveBytesTracker()
-    tracker.track_all(
-        [
-            list(model.parameters()),
-            list(model.buffers()),
-            inputs,
-            optimizer.state_dict()["state"] if optimizer is not None else [],
-        ]
-    )
-    start = tracker.live_bytes
+    start = track_step_start(LiveBytesTracker(), model, inputs, optimizer)
     loss: list[torch.Tensor] = []
     peak = profiled_peak_bytes(lambda: loss.append(run()))
     return Measurement(peak_bytes=start + peak, start_bytes=start, loss=float(loss[0].detach()))
@@ -112,13 +103,7 @@ def profiled_step(model: nn.Module, inputs: Any, optimizer: Any, run: Callable[[
 
 def measure_compiled_step(model: nn.Module, inputs: Any, config: TrainConfig) -> Measurement:
     """Warm up one step (it compiles), then measure a second, steady-state step with the profiler."""
-    optimizer = make_optimizer(model.parameters(), config.optimizer)
-    model.train()
-    for p in model.parameters():
-        p.grad = None
-    run_training_step(model, inputs, optimizer, config.precision)
-    for p in model.parameters():
-        p.grad = None
+    optimizer = warmed_up(model, inputs, config)
     return profiled_step(
         model, inputs, optimizer, lambda: run_training_step(model, inputs, optimizer, config.precision)
     )

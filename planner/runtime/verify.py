@@ -19,7 +19,15 @@ from planner.config import TrainConfig
 from planner.runtime.tracker import LiveBytesTracker
 from planner.tracing.recorder import loss_of, run_step_inputs
 
-__all__ = ["Measurement", "make_optimizer", "measure_step", "run_training_step", "tracked_step"]
+__all__ = [
+    "Measurement",
+    "make_optimizer",
+    "measure_step",
+    "run_training_step",
+    "track_step_start",
+    "tracked_step",
+    "warmed_up",
+]
 
 
 @dataclass(frozen=True)
@@ -60,8 +68,9 @@ def run_training_step(model: nn.Module, inputs, optimizer, precision: str) -> to
     return loss
 
 
-def measure_step(model: nn.Module, inputs, config: TrainConfig) -> Measurement:
-    """Warm up one step, then measure the peak live bytes of a second, steady-state step."""
+def warmed_up(model: nn.Module, inputs, config: TrainConfig) -> torch.optim.Optimizer | None:
+    """Run one training step (it creates the optimizer's states, and compiles compiled blocks) and
+    clear the gradients, so the next step is a steady one; returns the optimizer."""
     optimizer = make_optimizer(model.parameters(), config.optimizer)
     model.train()
     for p in model.parameters():
@@ -69,6 +78,25 @@ def measure_step(model: nn.Module, inputs, config: TrainConfig) -> Measurement:
     run_training_step(model, inputs, optimizer, config.precision)
     for p in model.parameters():
         p.grad = None
+    return optimizer
+
+
+def track_step_start(tracker: LiveBytesTracker, model: nn.Module, inputs, optimizer) -> int:
+    """Track what is live when a step starts (parameters, buffers, inputs, optimizer states); its bytes."""
+    tracker.track_all(
+        [
+            list(model.parameters()),
+            list(model.buffers()),
+            inputs,
+            optimizer.state_dict()["state"] if optimizer is not None else [],
+        ]
+    )
+    return tracker.live_bytes
+
+
+def measure_step(model: nn.Module, inputs, config: TrainConfig) -> Measurement:
+    """Warm up one step, then measure the peak live bytes of a second, steady-state step."""
+    optimizer = warmed_up(model, inputs, config)
     return tracked_step(
         LiveBytesTracker(),
         model,
@@ -83,15 +111,7 @@ def tracked_step(
 ) -> Measurement:
     """Peak live bytes of one step `run()` under `tracker`, with the model's parameters and buffers,
     the inputs and the optimizer's states live from the start."""
-    tracker.track_all(
-        [
-            list(model.parameters()),
-            list(model.buffers()),
-            inputs,
-            optimizer.state_dict()["state"] if optimizer is not None else [],
-        ]
-    )
-    start = tracker.live_bytes
+    start = track_step_start(tracker, model, inputs, optimizer)
     with tracker:
         loss = run()
         tracker.sample()

@@ -338,7 +338,12 @@ def plan_compiled(
         config={**config.with_(compile=True).to_dict(), **graph.assumptions()},
         budget_bytes=budget_bytes,
         budgets={r.path: p.budget for r, p in zip(graph.regions, chosen)},
-        predicted=CompiledPrediction(peak, recompute_s, recompute_s / step_s if step_s else 0.0),
+        predicted=CompiledPrediction(
+            peak_bytes=peak,
+            baseline_peak_bytes=timeline.peak_bytes,
+            recompute_s=recompute_s,
+            overhead=recompute_s / step_s if step_s else 0.0,
+        ),
         frontiers={k: tuple(v) for k, v in frontiers.items()},
     )
 
