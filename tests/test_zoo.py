@@ -12,10 +12,12 @@ pytest.importorskip("transformers")
 from benchmarks.zoo import ZOO, measure_zoo_model  # noqa: E402
 from planner.api import trace_for  # noqa: E402
 from planner.config import TrainConfig  # noqa: E402
-from planner.errors import PlanFileError  # noqa: E402
+from planner.errors import PlanFileError, TraceError  # noqa: E402
 from planner.plans.format import Decision  # noqa: E402
 from planner.runtime.apply import apply_plan  # noqa: E402
+from planner.runtime.compiled import compile_blocks  # noqa: E402
 from planner.runtime.dryrun import dry_run  # noqa: E402
+from planner.solver.compiled import plan_compiled  # noqa: E402
 from planner.solver.planning import solve  # noqa: E402
 from planner.tracing.specs import resolve_spec  # noqa: E402
 from tests.cli_helpers import assert_user_error, run  # noqa: E402
@@ -125,3 +127,20 @@ def test_apply_plan_turns_the_cache_off_on_every_config_and_restores_it():
     assert not any(c.use_cache for c in configs.values())
     handle.remove()
     assert {k: c.use_cache for k, c in configs.items()} == before
+
+
+def test_compiled_plans_for_transformers_models():
+    """Hugging Face blocks split on fake tensors with the key/value cache off (a cache passed in would
+    grow on every call); compile_blocks turns it off and restores it; a block the partitioner cannot
+    split (Mixtral's grouped_mm runs fp32 only under memplan's own trace) is a one-line error."""
+    config = TrainConfig(batch_size=2, seq_len=32)
+    plan = plan_compiled("benchmarks.zoo_models:llama", config, "95%")
+    assert plan.budgets and plan.predicted.peak_bytes <= plan.budget_bytes
+    model, _ = resolve_spec("benchmarks.zoo_models:llama").build(batch_size=2, seq_len=32)
+    model.config.use_cache = True
+    handle = compile_blocks(model, plan.budgets, "aot_eager_decomp_partition")
+    assert model.config.use_cache is False
+    handle.remove()
+    assert model.config.use_cache is True
+    with pytest.raises(TraceError, match="could not split block 'model.layers.0'.*without --compile"):
+        plan_compiled("benchmarks.zoo_models:mixtral", config, "95%")

@@ -25,6 +25,7 @@ from torch.profiler._memory_profiler import Action
 from planner.config import TrainConfig
 from planner.runtime.tracker import LiveBytesTracker
 from planner.runtime.verify import Measurement, run_training_step, track_step_start, warmed_up
+from planner.tracing.hf import disable_kv_cache
 
 __all__ = ["CompiledBlocks", "compile_blocks", "measure_compiled_step", "profiled_peak_bytes", "profiled_step"]
 
@@ -42,8 +43,9 @@ def _own_code(budget: float) -> Callable[..., Any]:
 class CompiledBlocks:
     """Blocks running compiled at their budgets; remove() restores their eager forwards."""
 
-    def __init__(self) -> None:
+    def __init__(self, restore_use_cache: list[tuple[object, bool]]) -> None:
         self._restore: list[tuple[nn.Module, Any]] = []
+        self._restore_use_cache = restore_use_cache  # HF configs whose use_cache was on
 
     def install(self, module: nn.Module, budget: float, compiled: Callable[..., Any]) -> None:
         original = module.forward
@@ -62,15 +64,20 @@ class CompiledBlocks:
             else:
                 module.forward = previous
         self._restore.clear()
+        for config, use_cache in self._restore_use_cache:
+            config.use_cache = use_cache
+        self._restore_use_cache = []
 
 
 def compile_blocks(model: nn.Module, budgets: Mapping[str, float], backend: str = "inductor") -> CompiledBlocks:
-    """Run each block (module path -> budget in [0, 1]) compiled with its own activation budget."""
-    compiled: dict[float, Callable[..., Any]] = {}
-    handle = CompiledBlocks()
+    """Run each block (module path -> budget in [0, 1]) compiled with its own activation budget.
+    A Hugging Face model's key/value cache is off meanwhile, as memplan planned the step."""
     for path, budget in budgets.items():
         if not 0.0 <= budget <= 1.0:
             raise ValueError(f"activation budget {budget} for '{path}' is outside [0, 1]; use a fraction")
+    compiled: dict[float, Callable[..., Any]] = {}
+    handle = CompiledBlocks(disable_kv_cache(model))
+    for path, budget in budgets.items():
         if budget not in compiled:
             compiled[budget] = torch.compile(_own_code(budget), backend=backend)
         handle.install(model.get_submodule(path), budget, compiled[budget])

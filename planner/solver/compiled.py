@@ -38,16 +38,17 @@ from costmodels.flops import op_bytes_accessed, op_flops
 from costmodels.hardware import DeviceSpec, get_device
 from costmodels.runtime import BANDWIDTH_EFFICIENCY, op_time_s
 from planner.config import TrainConfig
-from planner.errors import InfeasibleBudget, SolverTimeout
+from planner.errors import InfeasibleBudget, SolverTimeout, TraceError
 from planner.plans.format import CompiledPlan, CompiledPoint, CompiledPrediction
 from planner.runtime.auto import parse_budget
+from planner.safe_io import clean
 from planner.signals import interruptible
 from planner.simulation.costs import storage_bytes
 from planner.simulation.effects import SpanChoice, dropped_tensors, module_span
 from planner.simulation.step import simulate
 from planner.solver.planning import graph_model_info
 from planner.tracing.graph import OpGraph
-from planner.tracing.hf import skip_init
+from planner.tracing.hf import disable_kv_cache, skip_init
 from planner.tracing.op_classes import ATTENTION_OPS, CONV_OPS, MATMUL_OPS
 from planner.tracing.recorder import trace_for
 from planner.tracing.specs import resolve_spec
@@ -313,12 +314,20 @@ def plan_compiled(
     with FakeTensorMode(allow_non_fake_inputs=True), skip_init():
         model, inputs = resolve_spec(spec).build(batch_size=config.batch_size, seq_len=config.seq_len)
         model.train()
+        disable_kv_cache(model)  # as the trace and compile_blocks run it
         for region in graph.regions:
             if region.signature not in frontiers:
                 args, kwargs = block_call(model, inputs, region.path)
-                frontiers[region.signature] = block_frontier(
-                    model.get_submodule(region.path), args, kwargs, device, budgets
-                )
+                try:
+                    frontiers[region.signature] = block_frontier(
+                        model.get_submodule(region.path), args, kwargs, device, budgets
+                    )
+                except Exception as exc:  # AOTAutograd and the partitioner raise many kinds
+                    raise TraceError(
+                        f"torch.compile's partitioner could not split block '{region.path}' on fake tensors "
+                        f"({type(exc).__name__}: {clean(str(exc).splitlines()[0] if str(exc) else '')}); "
+                        "plan it for eager training, without --compile"
+                    ) from None
     rows = [frontiers[r.signature] for r in graph.regions]
     skeleton = CompiledSkeleton.of(graph, config, [max(f, key=lambda p: p.saved_bytes) for f in rows])
     try:
