@@ -22,8 +22,9 @@ from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget, PlanFileError, SpecError
 from planner.plans.format import CompiledPlan, CompiledPoint, load_plan
 from planner.runtime.apply import apply_plan
-from planner.runtime.compiled import compile_blocks, measure_compiled_step, profiled_peak_bytes
+from planner.runtime.compiled import compile_blocks, measure_compiled_step, profiled_peak_bytes, profiled_step
 from planner.runtime.tracker import LiveBytesTracker
+from planner.runtime.verify import measure_step, run_training_step, warmed_up
 from planner.simulation.step import simulate
 from planner.solver.compiled import Window, block_call, block_frontier, choose_budgets, plan_compiled
 from planner.solver.planning import solve
@@ -59,13 +60,13 @@ points = st.lists(st.tuples(st.integers(0, 100), st.integers(0, 100)), min_size=
 @settings(max_examples=40, deadline=None)
 @given(st.lists(points, min_size=1, max_size=3), st.integers(0, 300))
 def test_choice_is_the_cheapest_that_fits(raw, cap):
-    frontiers = [[CompiledPoint(1.0, s, t * 1e-6, 0, s) for s, t in block] for block in raw]
+    frontiers = [[CompiledPoint(1.0, s, t * 1e-6, 0, s, s) for s, t in block] for block in raw]
     fits = [c for c in itertools.product(*frontiers) if sum(p.saved_bytes for p in c) <= cap]
     if not fits:
         with pytest.raises(InfeasibleBudget):
-            choose_budgets(frontiers, [Window(tuple(range(len(frontiers))), (), cap)])
+            choose_budgets(frontiers, [Window((), tuple(range(len(frontiers))), (), cap)])
         return
-    chosen = choose_budgets(frontiers, [Window(tuple(range(len(frontiers))), (), cap)])
+    chosen = choose_budgets(frontiers, [Window((), tuple(range(len(frontiers))), (), cap)])
     assert sum(p.saved_bytes for p in chosen) <= cap
     assert sum(p.recompute_s for p in chosen) == pytest.approx(min(sum(p.recompute_s for p in c) for c in fits))
 
@@ -174,12 +175,20 @@ def test_cli_plan_compile_writes_block_budgets(tmp_path, capsys):
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler")
-@pytest.mark.parametrize("build", [gpt_small, llama_small])
+@pytest.mark.parametrize("build", [gpt_small, llama_small, resnet_small])
 def test_compiled_plan_applies_and_its_peak_is_predicted(build, tmp_path):
     """apply_plan takes the compiled plan file; gradients match eager; under inductor the profiled
-    peak of the step is the prediction, or up to 5% below it."""
+    peak of the step is the prediction, or up to 5% below it. The profiler also sees scratch that
+    aten's kernels allocate inside an op (convolution backward), which neither the tracker nor
+    memplan counts: it is measured on the eager step and added to the prediction."""
     batch, seq = 4, 128  # activations well above the optimizer step's peak
     spec, config = f"{PATH}:{build.__name__}", TrainConfig(batch_size=batch, seq_len=seq)
+    torch.manual_seed(0)
+    eager, inputs = build(batch, seq)
+    optimizer = warmed_up(eager, inputs, config)
+    profiled = profiled_step(eager, inputs, optimizer, lambda: run_training_step(eager, inputs, optimizer, "fp32"))
+    scratch = profiled.peak_bytes - measure_step(eager, inputs, config).peak_bytes
+    assert 0 <= scratch < (0.03 if build is resnet_small else 0.001) * profiled.peak_bytes
     top = plan_compiled(spec, config, 10**12, budgets=(1.0, 0.5, 0.0)).predicted.peak_bytes
     plan = plan_compiled(spec, config, int(0.9 * top), budgets=(1.0, 0.5, 0.0))
     assert set(plan.budgets.values()) != {1.0}
@@ -193,12 +202,12 @@ def test_compiled_plan_applies_and_its_peak_is_predicted(build, tmp_path):
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-3, atol=1e-5)
     measured = measure_compiled_step(model, inputs, config)
-    error = (plan.predicted.peak_bytes - measured.peak_bytes) / measured.peak_bytes
+    error = (plan.predicted.peak_bytes + scratch - measured.peak_bytes) / measured.peak_bytes
     # exact where blocks recompute part of their split; a block at budget 0 recomputes its
     # activations one at a time in backward, which the prediction takes as all at once (safe side)
     assert -0.001 <= error <= 0.05, (plan.budgets, plan.predicted.peak_bytes, measured.peak_bytes)
     handle.remove()
-    assert "forward" not in model.h[0].__dict__ if hasattr(model, "h") else "forward" not in model.layers[0].__dict__
+    assert all("forward" not in model.get_submodule(path).__dict__ for path in plan.budgets)
 
 
 def test_compiled_plan_file_is_validated(tmp_path):

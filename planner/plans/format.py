@@ -311,6 +311,7 @@ class CompiledPoint:
     recompute_s: float
     recompute_flops: int
     backward_bytes: int  # peak its backward graph holds: saved tensors, recomputed ones and gradients
+    forward_bytes: int  # peak its forward graph allocates: saved tensors, outputs and temporaries
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,10 @@ same budget share it.
 
 memplan's LiveBytesTracker does not see the buffers inductor's generated code allocates, so the
 peak of a compiled step is measured from the profiler's memory events instead.
+
+Inductor's layout optimization is off for the blocks: it re-lays convolutions' inputs and weights
+out as channels-last copies inside the compiled graph and saves those copies for the backward,
+bytes the partitioner's graphs, which memplan plans from, do not show.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._functorch import config as functorch_config
+from torch._inductor import config as inductor_config
 from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import Action
 
@@ -51,7 +56,10 @@ class CompiledBlocks:
         original = module.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            with functorch_config.patch(activation_memory_budget=budget):
+            with (
+                functorch_config.patch(activation_memory_budget=budget),
+                inductor_config.patch(layout_optimization=False),
+            ):
                 return compiled(original, *args, **kwargs)
 
         self._restore.append((module, module.__dict__.get("forward")))

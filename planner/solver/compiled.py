@@ -143,22 +143,37 @@ def _tensor_bytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
 
 
-def _backward_peak_bytes(bw: torch.fx.GraphModule) -> int:
-    """Peak bytes the backward graph holds as inductor runs it: its inputs (saved tensors and
-    incoming gradients) until their last use, each node's output from its node to its last use,
-    the graph's outputs to the end."""
-    nodes = list(bw.graph.nodes)
+def _fused_away(n: torch.fx.Node, outputs: set[torch.fx.Node]) -> bool:
+    """A pointwise node inductor fuses into its consumers: every user is pointwise and it is no output."""
+    pointwise = torch.Tag.pointwise
+
+    def is_pointwise(m: torch.fx.Node) -> bool:
+        return m.op == "call_function" and isinstance(m.target, torch._ops.OpOverload) and pointwise in m.target.tags
+
+    return is_pointwise(n) and n not in outputs and all(is_pointwise(u) for u in n.users)
+
+
+def _graph_peak_bytes(gm: torch.fx.GraphModule, with_inputs: bool) -> int:
+    """Peak bytes a graph holds as inductor runs it: each node's output from its node to its last
+    use, the graph's outputs to the end, and with `with_inputs` its inputs until their last use
+    (a backward's saved tensors and incoming gradients; a forward's inputs are the caller's). Without
+    inputs (a forward), pointwise nodes inductor fuses into their consumers hold nothing."""
+    nodes = list(gm.graph.nodes)
     last_use: dict[torch.fx.Node, int] = {}
     for i, n in enumerate(nodes):
         for a in n.all_input_nodes:
             last_use[_owner(a)] = len(nodes) if n.op == "output" else i
+    outputs = {_owner(a) for a in nodes[-1].all_input_nodes}
+    counted = ("placeholder", "call_function") if with_inputs else ("call_function",)
     live = peak = 0
+    held: set[torch.fx.Node] = set()
     for i, n in enumerate(nodes):
-        if n.op in ("placeholder", "call_function") and _owner(n) is n:
+        if n.op in counted and _owner(n) is n and (with_inputs or not _fused_away(n, outputs)):
+            held.add(n)
             live += _tensor_bytes(n.meta.get("val"))
         peak = max(peak, live)
         for a in {_owner(x) for x in n.all_input_nodes}:
-            if last_use.get(a) == i:
+            if last_use.get(a) == i and a in held:
                 live -= _tensor_bytes(a.meta.get("val"))
     return peak
 
@@ -248,7 +263,16 @@ def block_frontier(
             if seen[k] > base.get(k, 0):  # beyond the budget-1.0 backward: a recompute
                 s, f = _node_cost(n, device)
                 seconds, flops = seconds + s, flops + f
-        points.append(CompiledPoint(budget, _saved_bytes(fw, bw), seconds, flops, _backward_peak_bytes(bw)))
+        points.append(
+            CompiledPoint(
+                budget,
+                _saved_bytes(fw, bw),
+                seconds,
+                flops,
+                backward_bytes=_graph_peak_bytes(bw, with_inputs=True),
+                forward_bytes=_graph_peak_bytes(fw, with_inputs=False),
+            )
+        )
     points.sort(key=lambda p: (p.recompute_s, p.saved_bytes))
     frontier: list[CompiledPoint] = []
     for p in points:
@@ -257,20 +281,31 @@ def block_frontier(
     return frontier
 
 
-SAVED, BACKWARD = 1, 2  # what a block's split adds at a sample of a CompiledSkeleton
+FORWARD, SAVED, BACKWARD = 1, 2, 3  # what a block's split adds at a sample of a CompiledSkeleton
 
 
 @dataclass(frozen=True)
 class Window:
-    """A stretch of the step: blocks holding their saved bytes, blocks running their backward, and
-    the bytes the budget leaves them there."""
+    """A stretch of the step: blocks running their forward, blocks holding their saved bytes, blocks
+    running their backward, and the bytes the budget leaves them there."""
 
+    forward: tuple[int, ...]
     saved: tuple[int, ...]
     backward: tuple[int, ...]
     cap_bytes: int
 
-    def bytes_of(self, points: Sequence[CompiledPoint]) -> int:
-        return sum(points[i].saved_bytes for i in self.saved) + sum(points[i].backward_bytes for i in self.backward)
+    def terms(self, points: Sequence[Sequence[CompiledPoint]]) -> list[tuple[int, int, int]]:
+        """(block, point index, bytes) of every choice this window counts."""
+        return [
+            (i, j, getattr(p, field))
+            for blocks, field in (
+                (self.forward, "forward_bytes"),
+                (self.saved, "saved_bytes"),
+                (self.backward, "backward_bytes"),
+            )
+            for i in blocks
+            for j, p in enumerate(points[i])
+        ]
 
 
 def choose_budgets(
@@ -284,9 +319,7 @@ def choose_budgets(
     for row in picks:
         model.add_exactly_one(row)
     for w in windows:
-        terms = [v * p.saved_bytes for i in w.saved for v, p in zip(picks[i], frontiers[i])]
-        terms += [v * p.backward_bytes for i in w.backward for v, p in zip(picks[i], frontiers[i])]
-        model.add(sum(terms) <= w.cap_bytes)
+        model.add(sum(picks[i][j] * nbytes for i, j, nbytes in w.terms(frontiers)) <= w.cap_bytes)
     model.minimize(sum(v * round(p.recompute_s * 1e6) for row, f in zip(picks, frontiers) for v, p in zip(row, f)))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
@@ -360,14 +393,17 @@ def plan_compiled(
 @dataclass(frozen=True)
 class CompiledSkeleton:
     """A compiled step around its blocks' splits: `base` bytes at each sample, and what each block's
-    split adds on top (`holds`, blocks x samples): its saved bytes (SAVED) from the end of its
-    forward to the start of its backward, its backward graph's peak (BACKWARD) while that runs.
+    split adds on top (`holds`, blocks x samples): its forward graph's peak (FORWARD) while that
+    runs, its saved bytes (SAVED) from the end of its forward to the start of its backward, its
+    backward graph's peak (BACKWARD) while that runs.
 
     It comes from the eager step with every block checkpointed: model states, the blocks' inputs,
     everything outside the blocks, and a block's re-created activations and gradient temporaries
-    while its backward runs. In a block's backward, the split without recompute (`unsplit`) stands
-    in for the eager replay: base gains its saved bytes less the replay and less its backward peak,
-    and the chosen split's backward peak comes on top (so the unsplit split reads as itself).
+    while its backward runs. While a block's forward runs, base holds what was live before it (the
+    forward graph's peak, outputs included, comes on top). In a block's backward, the split without
+    recompute (`unsplit`) stands in for the eager replay: base gains its saved bytes less the replay
+    and less its backward peak, and the chosen split's backward peak comes on top (so the unsplit
+    split reads as itself).
     """
 
     base: np.ndarray
@@ -380,9 +416,14 @@ class CompiledSkeleton:
         timeline = simulate(graph, config, choices=[SpanChoice(span, "recompute") for span in spans])
         sizes = storage_bytes(graph, config)
         at = timeline.op_index
-        base = timeline.total.astype(np.int64)
+        eager = timeline.total.astype(np.int64)
+        base = eager.copy()
         holds = np.zeros((len(spans), len(at)), dtype=np.int8)
         for k, (span, point) in enumerate(zip(spans, unsplit)):
+            forward = (at >= span.fwd_start) & (at < span.fwd_end)
+            first_op_bytes = sum(sizes[t] for t, tensor in graph.tensors.items() if tensor.alloc_op == span.fwd_start)
+            base[forward] = eager[np.argmax(forward)] - first_op_bytes  # what was live before the block
+            holds[k, forward] = FORWARD
             replay = sum(sizes[t] for t in dropped_tensors(graph, span))
             backward = (at >= span.bwd_start) & (at < span.bwd_end)
             base[backward] += point.saved_bytes - replay - point.backward_bytes
@@ -392,9 +433,10 @@ class CompiledSkeleton:
 
     def peak_bytes(self, points: Sequence[CompiledPoint]) -> int:
         """Peak of the step with block k split at points[k]."""
-        saved = np.array([p.saved_bytes for p in points], dtype=np.int64)
-        backward = np.array([p.backward_bytes for p in points], dtype=np.int64)
-        return int((self.base + saved @ (self.holds == SAVED) + backward @ (self.holds == BACKWARD)).max())
+        total = self.base.copy()
+        for hold, field in ((FORWARD, "forward_bytes"), (SAVED, "saved_bytes"), (BACKWARD, "backward_bytes")):
+            total += np.array([getattr(p, field) for p in points], dtype=np.int64) @ (self.holds == hold)
+        return int(total.max())
 
     def windows(self, budget_bytes: int) -> list[Window]:
         """One constraint of choose_budgets per distinct pattern of what the blocks hold: the budget
@@ -404,6 +446,7 @@ class CompiledSkeleton:
         np.maximum.at(highest, which.ravel(), self.base)
         return [
             Window(
+                tuple(np.flatnonzero(row == FORWARD).tolist()),
                 tuple(np.flatnonzero(row == SAVED).tolist()),
                 tuple(np.flatnonzero(row == BACKWARD).tolist()),
                 int(budget_bytes - top),
