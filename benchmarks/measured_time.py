@@ -4,7 +4,7 @@
 of about 1 s on a 2-core CPU; `--quick`: toy sizes), each strategy gets its own copy of the same
 initial weights with its plan applied: none, full, every-2, op-sac, megatron-selective, and
 op-sac-alt, memplan's optimal plan at 30/50/70% of the way from the model states to the no-plan peak; compiled:
-the whole model under torch.compile at activation_memory_budget 0.3/0.5/0.7 (`compile-budget B`),
+the whole model under torch.compile (torch's defaults) at activation_memory_budget 0.3/0.5/0.7 (`compile-budget B`),
 and memplan's compiled plan (per-block budgets, planner.solver.compiled) at the peak each of those
 measured (`memplan compiled @B`). Compiled steps use inductor (`--quick`: aot_eager_decomp_partition,
 the same min-cut partitioner without code generation).
@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch._functorch import config as functorch_config
 
 from benchmarks.common import Options, gb, pct, print_table, to_jsonable
 from benchmarks.quiet import timed_quiet
@@ -181,6 +182,21 @@ def _compiled(budgets: dict[str, float], backend: str) -> Callable:
     return lambda model: compile_blocks(model, budgets, backend)
 
 
+def _compile_budget(budget: float, backend: str) -> Callable:
+    """The whole model under torch.compile with torch's defaults and one activation_memory_budget."""
+
+    def install(model: torch.nn.Module) -> None:
+        compiled = torch.compile(model.forward, backend=backend)
+
+        def forward(*args, **kwargs):
+            with functorch_config.patch(activation_memory_budget=budget):
+                return compiled(*args, **kwargs)
+
+        model.forward = forward
+
+    return install
+
+
 def _peak(base: torch.nn.Module, plan: Plan, inputs, config: TrainConfig) -> int:
     model = copy.deepcopy(base)
     handle = apply_plan(model, plan) if plan.decisions else None
@@ -197,7 +213,7 @@ def _compiled_entries(spec: str, base, inputs, config: TrainConfig, quick: bool)
     out: dict[str, dict] = {}
     backend = "aot_eager_decomp_partition" if quick else "inductor"
     for b in FRACTIONS[1:2] if quick else FRACTIONS:
-        runner = _Runner(base, inputs, config, _compiled({"": b}, backend))
+        runner = _Runner(base, inputs, config, _compile_budget(b, backend))
         grads = runner.grads()  # compiles; before any optimizer step changes the weights
         peak = runner.profiled_peak()
         out[f"compile-budget {b}"] = {

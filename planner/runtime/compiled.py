@@ -9,6 +9,11 @@ same budget share it.
 memplan's LiveBytesTracker does not see the buffers inductor's generated code allocates, so the
 peak of a compiled step is measured from the profiler's memory events instead.
 
+Shapes are static: blocks of one class but different shapes (a ResNet's stages) share a budget's
+code object, and Dynamo's automatic dynamic shapes would otherwise recompile them with symbolic
+sizes, whose kernels ran 25% slower here. Each block shape is then one cache entry, so the recompile
+limit is raised to the number of blocks while they run.
+
 Inductor's layout optimization is off for the blocks: it re-lays convolutions' inputs and weights
 out as channels-last copies inside the compiled graph and saves those copies for the backward,
 bytes the partitioner's graphs, which memplan plans from, do not show.
@@ -22,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo import config as dynamo_config
 from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
 from torch.profiler import ProfilerActivity, profile
@@ -48,7 +54,8 @@ def _own_code(budget: float) -> Callable[..., Any]:
 class CompiledBlocks:
     """Blocks running compiled at their budgets; remove() restores their eager forwards."""
 
-    def __init__(self, restore_use_cache: list[tuple[object, bool]]) -> None:
+    def __init__(self, restore_use_cache: list[tuple[object, bool]], recompile_limit: int) -> None:
+        self.recompile_limit = recompile_limit  # graphs per budget: one per block shape at most
         self._restore: list[tuple[nn.Module, Any]] = []
         self._restore_use_cache = restore_use_cache  # HF configs whose use_cache was on
 
@@ -59,6 +66,7 @@ class CompiledBlocks:
             with (
                 functorch_config.patch(activation_memory_budget=budget),
                 inductor_config.patch(layout_optimization=False),
+                dynamo_config.patch(recompile_limit=self.recompile_limit),
             ):
                 return compiled(original, *args, **kwargs)
 
@@ -84,10 +92,10 @@ def compile_blocks(model: nn.Module, budgets: Mapping[str, float], backend: str 
         if not 0.0 <= budget <= 1.0:
             raise ValueError(f"activation budget {budget} for '{path}' is outside [0, 1]; use a fraction")
     compiled: dict[float, Callable[..., Any]] = {}
-    handle = CompiledBlocks(disable_kv_cache(model))
+    handle = CompiledBlocks(disable_kv_cache(model), max(dynamo_config.recompile_limit, len(budgets)))
     for path, budget in budgets.items():
         if budget not in compiled:
-            compiled[budget] = torch.compile(_own_code(budget), backend=backend)
+            compiled[budget] = torch.compile(_own_code(budget), backend=backend, dynamic=False)
         handle.install(model.get_submodule(path), budget, compiled[budget])
     return handle
 
