@@ -16,7 +16,8 @@ the same min-cut partitioner without code generation).
   keeping activations costs time that no GPU step pays, and on this CPU recomputing measured
   faster than keeping.
 - Time: strategies run round-robin, one step each per round, so drifts of the machine hit all of
-  them alike; each step is timed only when the machine is quiet (benchmarks/quiet.py) and the
+  them alike, in a new (seeded) order each round, so what a step leaves behind (caches, freed
+  memory) does not fall on the same next strategy every round; each step is timed only when the machine is quiet (benchmarks/quiet.py) and the
   other processes' CPU time is recorded per step. Overhead = median step / median step of none - 1.
   Noise = half the interquartile range of a strategy's steps over their median.
 - Peak: eager, a separate warm-up and measured step under memplan's LiveBytesTracker (as `memplan
@@ -50,7 +51,7 @@ from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget
 from planner.plans.format import Plan
 from planner.runtime.apply import apply_plan
-from planner.runtime.compiled import compile_blocks, profiled_step
+from planner.runtime.compiled import budget_trampoline, compile_blocks, profiled_step
 from planner.runtime.verify import make_optimizer, measure_step
 from planner.simulation.step import simulate
 from planner.solver.compiled import BUDGETS, plan_compiled
@@ -116,7 +117,7 @@ MODELS = [
     ("resnet", ("resnet_bench", 48, 64), ("resnet_toy", 4, 32)),
 ]
 ALLOCATOR_ENV = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=68719476736"}
-ROUNDS = 13  # the first warms up and is not kept
+ROUNDS = 17  # the first warms up and is not kept
 # Eager and compiled strategies run in separate processes, each against its own none: inductor's
 # kernels leave OpenMP threads spinning after they return, which slowed the eager steps that followed
 # them (noise 3-9% and overheads up to 9 points higher than in an eager-only process).
@@ -186,11 +187,11 @@ def _compile_budget(budget: float, backend: str) -> Callable:
     """The whole model under torch.compile with torch's defaults and one activation_memory_budget."""
 
     def install(model: torch.nn.Module) -> None:
-        compiled = torch.compile(model.forward, backend=backend)
+        compiled, original = torch.compile(budget_trampoline(budget), backend=backend), model.forward
 
         def forward(*args, **kwargs):
             with functorch_config.patch(activation_memory_budget=budget):
-                return compiled(*args, **kwargs)
+                return compiled(original, *args, **kwargs)
 
         model.forward = forward
 
@@ -274,8 +275,10 @@ def _model_rows(name: str, builder: str, batch: int, seq: int, profile: str, opt
         )
     rounds = 2 if opts.quick else ROUNDS
     attempts = 1 if opts.quick else 10
-    for k in range(rounds):  # round-robin; the first round warms up and is not kept
-        for r in runners.values():
+    order = np.random.default_rng(0)
+    for k in range(rounds):  # round-robin, in a new order each round; the first warms up and is not kept
+        for i in order.permutation(len(runners)):
+            r = list(runners.values())[i]
             t = timed_quiet(r.step, attempts)
             if k:
                 r.steps.append(t)

@@ -14,6 +14,8 @@ from cli_helpers import run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from models_for_tests import PATH, gpt_small, llama_small, resnet_small
+from torch import nn
+from torch._dynamo.utils import counters
 from torch._subclasses import FakeTensorMode
 
 from costmodels.hardware import get_device
@@ -28,6 +30,7 @@ from planner.runtime.verify import measure_step, run_training_step, warmed_up
 from planner.simulation.step import simulate
 from planner.solver.compiled import Window, block_call, block_frontier, choose_budgets, plan_compiled
 from planner.solver.planning import solve
+from planner.tracing.models import MLPBlock
 
 BATCH, SEQ = 2, 32
 
@@ -104,6 +107,18 @@ def test_blocks_compiled_at_their_budgets():
     assert "forward" not in model.h[0].__dict__
     with pytest.raises(ValueError, match="outside"):
         compile_blocks(model, {"h.0": 1.5})
+
+
+def test_blocks_of_one_class_compile_statically_per_shape():
+    """Blocks at one budget share a code object; each block shape gets its own static graph (no
+    recompile with symbolic sizes), past Dynamo's default recompile limit of 8."""
+    widths = [8 + 4 * i for i in range(11)]
+    model = nn.Sequential(*(MLPBlock(a, b) for a, b in zip(widths, widths[1:])))
+    handle = compile_blocks(model, {str(i): 1.0 for i in range(len(model))}, backend="aot_eager")
+    counters.clear()
+    model(torch.randn(2, widths[0])).sum().backward()
+    handle.remove()
+    assert counters["stats"]["unique_graphs"] == len(model) == 10
 
 
 def test_profiled_peak_matches_the_tracker_in_eager_and_drops_compiled():

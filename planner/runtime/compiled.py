@@ -38,15 +38,23 @@ from planner.runtime.tracker import LiveBytesTracker
 from planner.runtime.verify import Measurement, run_training_step, track_step_start, warmed_up
 from planner.tracing.hf import disable_kv_cache
 
-__all__ = ["CompiledBlocks", "compile_blocks", "measure_compiled_step", "profiled_peak_bytes", "profiled_step"]
+__all__ = [
+    "CompiledBlocks",
+    "budget_trampoline",
+    "compile_blocks",
+    "measure_compiled_step",
+    "profiled_peak_bytes",
+    "profiled_step",
+]
 
 
 def _trampoline(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return forward(*args, **kwargs)
 
 
-def _own_code(budget: float) -> Callable[..., Any]:
-    """A copy of the trampoline with a code object of its own for this budget."""
+def budget_trampoline(budget: float) -> Callable[..., Any]:
+    """`f(forward, *args, **kwargs) -> forward(*args, **kwargs)`, with a code object of its own for
+    this budget: Dynamo caches what it compiles apart from other budgets' code."""
     code = _trampoline.__code__.replace(co_name=f"block_budget_{round(budget * 1000)}")
     return types.FunctionType(code, _trampoline.__globals__, code.co_name)
 
@@ -95,7 +103,7 @@ def compile_blocks(model: nn.Module, budgets: Mapping[str, float], backend: str 
     handle = CompiledBlocks(disable_kv_cache(model), max(dynamo_config.recompile_limit, len(budgets)))
     for path, budget in budgets.items():
         if budget not in compiled:
-            compiled[budget] = torch.compile(_own_code(budget), backend=backend, dynamic=False)
+            compiled[budget] = torch.compile(budget_trampoline(budget), backend=backend, dynamic=False)
         handle.install(model.get_submodule(path), budget, compiled[budget])
     return handle
 
