@@ -9,6 +9,7 @@ from planner.cli.compiled import run_compiled
 from planner.cli.options import add_model_options, config_from_args, write_json
 from planner.config import DEFAULT_RESERVE, DEFAULT_TIME_LIMIT_S
 from planner.plans.format import PlanLadder
+from planner.solver.compiled import SCOPES
 from planner.tracing.moe import describe_routing
 from planner.units import format_bytes, parse_bytes
 
@@ -52,7 +53,14 @@ def register(add) -> None:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="plan for torch.compile: a per-block activation_memory_budget (writes a compiled plan)",
+        help="plan for torch.compile: activation_memory_budget per block or for the whole model (writes a compiled plan)",
+    )
+    p.add_argument(
+        "--compile-scope",
+        choices=SCOPES,
+        default="auto",
+        help="with --compile: 'blocks' compiles each block at its own budget, 'model' the whole model at one, "
+        "'auto' whichever recomputes less",
     )
 
 

@@ -38,19 +38,19 @@ from costmodels.flops import op_bytes_accessed, op_flops
 from costmodels.hardware import DeviceSpec, get_device
 from costmodels.runtime import BANDWIDTH_EFFICIENCY, op_time_s
 from planner.config import TrainConfig
-from planner.errors import InfeasibleBudget, SolverTimeout, TraceError
+from planner.errors import InfeasibleBudget, SolverTimeout, SpecError, TraceError
 from planner.plans.format import CompiledPlan, CompiledPoint, CompiledPrediction
 from planner.runtime.auto import parse_budget
 from planner.safe_io import clean
 from planner.signals import interruptible
 from planner.simulation.costs import storage_bytes
-from planner.simulation.effects import SpanChoice, dropped_tensors, module_span
+from planner.simulation.effects import ModuleSpan, SpanChoice, dropped_tensors, module_span
 from planner.simulation.step import simulate
 from planner.solver.planning import graph_model_info
 from planner.tracing.graph import OpGraph
 from planner.tracing.hf import disable_kv_cache, skip_init
 from planner.tracing.op_classes import ATTENTION_OPS, CONV_OPS, MATMUL_OPS
-from planner.tracing.recorder import trace_for
+from planner.tracing.recorder import loss_of, trace_for
 from planner.tracing.specs import resolve_spec
 from planner.units import format_bytes
 
@@ -60,6 +60,8 @@ __all__ = [
     "block_frontier",
     "choose_budgets",
     "CompiledSkeleton",
+    "SCOPES",
+    "WHOLE_MODEL",
     "Window",
     "plan_compiled",
 ]
@@ -333,12 +335,92 @@ def choose_budgets(
     return [f[next(j for j, v in enumerate(row) if solver.value(v))] for row, f in zip(picks, frontiers)]
 
 
+WHOLE_MODEL = ""  # the module path of a plan that compiles the whole model (and its loss) at one budget
+SCOPES = ("auto", "blocks", "model")
+
+
+class _WithLoss(nn.Module):
+    """The model and its step's loss as one module: the whole step's graph, split as a block."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return loss_of(self.model(*args, **kwargs))
+
+
+def _split_error(what: str, exc: Exception) -> TraceError:
+    first = clean(str(exc).splitlines()[0] if str(exc) else "")
+    return TraceError(
+        f"torch.compile's partitioner could not split {what} on fake tensors ({type(exc).__name__}: {first}); "
+        "plan it for eager training, without --compile"
+    )
+
+
+@dataclass(frozen=True)
+class _Option:
+    """One way to compile the step: module path -> its split, with the predicted peak."""
+
+    points: dict[str, CompiledPoint]
+    peak_bytes: int
+
+    @property
+    def recompute_s(self) -> float:
+        return sum(p.recompute_s for p in self.points.values())
+
+
+def _per_block(
+    graph: OpGraph,
+    config: TrainConfig,
+    frontiers: dict[str, list[CompiledPoint]],
+    budget_bytes: int,
+    time_limit_s: float,
+) -> tuple[_Option | None, int]:
+    """The least-recompute per-block budgets under budget_bytes (None when none fit), and the least
+    peak per-block budgets reach."""
+    rows = [frontiers[r.signature] for r in graph.regions]
+    skeleton = CompiledSkeleton.of(graph, config, [module_span(graph, r.path) for r in graph.regions], rows)
+    smallest = skeleton.peak_bytes([min(f, key=lambda p: p.saved_bytes) for f in rows])
+    try:
+        chosen = choose_budgets(rows, skeleton.windows(budget_bytes), time_limit_s)
+    except InfeasibleBudget:
+        return None, smallest
+    points = {r.path: p for r, p in zip(graph.regions, chosen)}
+    return _Option(points, skeleton.peak_bytes(chosen)), smallest
+
+
+def _whole_model(
+    graph: OpGraph, config: TrainConfig, frontier: list[CompiledPoint], budget_bytes: int
+) -> tuple[_Option | None, int]:
+    """The whole model's least-recompute split under budget_bytes (None when none fits), and the
+    least peak its splits reach."""
+    skeleton = CompiledSkeleton.of(graph, config, [module_span(graph, WHOLE_MODEL)], [frontier])
+    options = [_Option({WHOLE_MODEL: p}, skeleton.peak_bytes([p])) for p in frontier]
+    fitting = [o for o in options if o.peak_bytes <= budget_bytes]
+    best = min(fitting, key=lambda o: (o.recompute_s, o.peak_bytes)) if fitting else None
+    return best, min(o.peak_bytes for o in options)
+
+
 def plan_compiled(
-    spec: str, config: TrainConfig, budget: int | str, time_limit_s: float = 10.0, budgets: Sequence[float] = BUDGETS
+    spec: str,
+    config: TrainConfig,
+    budget: int | str,
+    time_limit_s: float = 10.0,
+    budgets: Sequence[float] = BUDGETS,
+    scope: str = "auto",
 ) -> CompiledPlan:
-    """Per-block activation budgets for torch.compile under a peak budget (bytes, a size such as
-    '8GiB' or a percentage of the no-plan peak such as '60%'); one frontier per block signature,
-    computed on fake tensors."""
+    """Activation budgets for torch.compile under a peak budget (bytes, a size such as '8GiB' or a
+    percentage of the no-plan peak such as '60%'), from the partitioner's splits on fake tensors.
+
+    scope "blocks": one budget per block (one frontier per block signature), the rest of the step
+    eager; "model": the whole model and its loss compiled as `torch.compile(model)` runs it, at
+    budget 1.0 only (below it the partitioner recomputes across the whole graph and inductor's
+    backward held 12-25% more than memplan's liveness of that graph predicts, on the test models at
+    0.5); "auto": whichever recomputes less (the whole model on a tie: it also fuses the code between
+    blocks), the blocks alone when the whole model's graph cannot be split."""
+    if scope not in SCOPES:
+        raise SpecError(f"compile scope '{scope}' is not one of {', '.join(SCOPES)}")
     graph = trace_for(spec, config)
     timeline = simulate(graph, config)
     budget_bytes = parse_budget(budget, timeline.peak_bytes)
@@ -348,43 +430,49 @@ def plan_compiled(
         model, inputs = resolve_spec(spec).build(batch_size=config.batch_size, seq_len=config.seq_len)
         model.train()
         disable_kv_cache(model)  # as the trace and compile_blocks run it
-        for region in graph.regions:
-            if region.signature not in frontiers:
-                args, kwargs = block_call(model, inputs, region.path)
-                try:
-                    frontiers[region.signature] = block_frontier(
-                        model.get_submodule(region.path), args, kwargs, device, budgets
-                    )
-                except Exception as exc:  # AOTAutograd and the partitioner raise many kinds
-                    raise TraceError(
-                        f"torch.compile's partitioner could not split block '{region.path}' on fake tensors "
-                        f"({type(exc).__name__}: {clean(str(exc).splitlines()[0] if str(exc) else '')}); "
-                        "plan it for eager training, without --compile"
-                    ) from None
-    rows = [frontiers[r.signature] for r in graph.regions]
-    skeleton = CompiledSkeleton.of(graph, config, [max(f, key=lambda p: p.saved_bytes) for f in rows])
-    try:
-        chosen = choose_budgets(rows, skeleton.windows(budget_bytes), time_limit_s)
-    except InfeasibleBudget:
-        smallest = skeleton.peak_bytes([min(f, key=lambda p: p.saved_bytes) for f in rows])
+        if scope != "model":
+            for region in graph.regions:
+                if region.signature not in frontiers:
+                    args, kwargs = block_call(model, inputs, region.path)
+                    try:
+                        frontiers[region.signature] = block_frontier(
+                            model.get_submodule(region.path), args, kwargs, device, budgets
+                        )
+                    except Exception as exc:  # AOTAutograd and the partitioner raise many kinds
+                        raise _split_error(f"block '{region.path}'", exc) from None
+        if scope != "blocks":
+            args, kwargs = ((), dict(inputs)) if isinstance(inputs, dict) else (tuple(inputs), {})
+            try:
+                frontiers[WHOLE_MODEL] = block_frontier(_WithLoss(model), args, kwargs, device, (1.0,))
+            except Exception as exc:
+                if scope == "model":
+                    raise _split_error("the whole model", exc) from None
+    found: list[tuple[_Option | None, int]] = []
+    if scope != "model":
+        block_frontiers = {k: v for k, v in frontiers.items() if k != WHOLE_MODEL}
+        found.append(_per_block(graph, config, block_frontiers, budget_bytes, time_limit_s))
+    if WHOLE_MODEL in frontiers:
+        found.append(_whole_model(graph, config, frontiers[WHOLE_MODEL], budget_bytes))
+    options = [o for o, _ in found if o is not None]
+    if not options:
+        smallest = min(least for _, least in found)
         raise InfeasibleBudget(
-            f"no per-block activation budgets fit {format_bytes(budget_bytes)}; with the least each block "
-            f"can save the compiled peak is {format_bytes(smallest)}; raise --budget",
+            f"no activation budgets fit {format_bytes(budget_bytes)}; with the least the partitioner can "
+            f"save the compiled peak is {format_bytes(smallest)}; raise --budget",
             smallest_peak_bytes=smallest,
-        ) from None
-    peak = skeleton.peak_bytes(chosen)
-    recompute_s = sum(p.recompute_s for p in chosen)
+        )
+    best = min(options, key=lambda o: (round(o.recompute_s * 1e6), WHOLE_MODEL not in o.points))
     step_s = timeline.costs.step_s
     return CompiledPlan(
         model=graph_model_info(graph),
         config={**config.with_(compile=True).to_dict(), **graph.assumptions()},
         budget_bytes=budget_bytes,
-        budgets={r.path: p.budget for r, p in zip(graph.regions, chosen)},
+        budgets={path: p.budget for path, p in best.points.items()},
         predicted=CompiledPrediction(
-            peak_bytes=peak,
+            peak_bytes=best.peak_bytes,
             baseline_peak_bytes=timeline.peak_bytes,
-            recompute_s=recompute_s,
-            overhead=recompute_s / step_s if step_s else 0.0,
+            recompute_s=best.recompute_s,
+            overhead=best.recompute_s / step_s if step_s else 0.0,
         ),
         frontiers={k: tuple(v) for k, v in frontiers.items()},
     )
@@ -410,9 +498,15 @@ class CompiledSkeleton:
     holds: np.ndarray
 
     @classmethod
-    def of(cls, graph: OpGraph, config: TrainConfig, unsplit: Sequence[CompiledPoint]) -> CompiledSkeleton:
-        """`unsplit[k]`: block k's split without recompute (graph.regions order)."""
-        spans = [module_span(graph, r.path) for r in graph.regions]
+    def of(
+        cls,
+        graph: OpGraph,
+        config: TrainConfig,
+        spans: Sequence[ModuleSpan],
+        frontiers: Sequence[Sequence[CompiledPoint]],
+    ) -> CompiledSkeleton:
+        """The step with each span (a block, or the whole model) compiled; `frontiers[k]`: span k's splits."""
+        unsplit = [max(f, key=lambda p: p.saved_bytes) for f in frontiers]  # the split without recompute
         timeline = simulate(graph, config, choices=[SpanChoice(span, "recompute") for span in spans])
         sizes = storage_bytes(graph, config)
         at = timeline.op_index
