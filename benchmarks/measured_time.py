@@ -5,7 +5,7 @@ of about 1 s on a 2-core CPU; `--quick`: toy sizes), each strategy gets its own 
 initial weights with its plan applied: none, full, every-2, op-sac, megatron-selective, and
 op-sac-alt, memplan's optimal plan at 30/50/70% of the way from the model states to the no-plan peak; compiled:
 the whole model under torch.compile (torch's defaults) at activation_memory_budget 0.3/0.5/0.7 (`compile-budget B`),
-and memplan's compiled plan (per-block budgets, planner.solver.compiled) at the peak each of those
+and memplan's compiled plan (scope auto, planner.solver.compiled) at the peak each of those
 measured (`memplan compiled @B`). Compiled steps use inductor (`--quick`: aot_eager_decomp_partition,
 the same min-cut partitioner without code generation).
 
@@ -54,7 +54,8 @@ from planner.runtime.apply import apply_plan
 from planner.runtime.compiled import budget_trampoline, compile_blocks, profiled_step
 from planner.runtime.verify import make_optimizer, measure_step
 from planner.simulation.step import simulate
-from planner.solver.compiled import BUDGETS, plan_compiled
+from planner.solver.compiled import plan_compiled
+from planner.solver.partitioner import BUDGETS
 from planner.solver.planning import solve
 from planner.tracing.models import GPT, ConvNet, ConvNetConfig, GPTConfig, Llama, LlamaConfig
 from planner.tracing.recorder import loss_of, run_step_inputs, trace
