@@ -80,3 +80,19 @@ def flat_sequential(batch_size: int, seq_len: int):
     for _ in range(16):
         layers += [nn.Linear(64, 64), nn.GELU()]
     return nn.Sequential(*layers, nn.Linear(64, 1)), (torch.randn(batch_size, seq_len, 64),)
+
+
+class TwoLayer(nn.Module):
+    """No blocks: two Linear layers of different shapes and a cross-entropy loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(64, 256)
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.head(torch.relu(self.inner(x))), y)
+
+
+def two_layer(batch_size: int, seq_len: int):
+    return TwoLayer(), (torch.randn(batch_size * seq_len, 64), torch.randint(0, 10, (batch_size * seq_len,)))

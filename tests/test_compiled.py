@@ -177,6 +177,13 @@ def test_compile_scopes_whole_model_or_blocks():
         plan_compiled(spec, config, 10**12, scope="layers")
 
 
+def test_a_model_without_blocks_compiles_whole():
+    spec, config = f"{PATH}:two_layer", TrainConfig(batch_size=BATCH, seq_len=SEQ)
+    assert plan_compiled(spec, config, 10**12).budgets == {"": 1.0}
+    with pytest.raises(SpecError, match="no blocks.*--compile-scope model"):
+        plan_compiled(spec, config, 10**12, scope="blocks")
+
+
 def test_cli_plan_compile_writes_block_budgets(tmp_path, capsys):
     out = tmp_path / "compiled.json"
     code, stdout, err = run(

@@ -184,6 +184,8 @@ def plan_compiled(
     if scope not in SCOPES:
         raise SpecError(f"compile scope '{scope}' is not one of {', '.join(SCOPES)}")
     graph = trace_for(spec, config)
+    if scope == "blocks" and not graph.regions:
+        raise SpecError("the model has no blocks to compile one by one; use --compile-scope model or auto")
     timeline = simulate(graph, config)
     budget_bytes = parse_budget(budget, timeline.peak_bytes)
     device = get_device(config.gpu)
@@ -210,11 +212,16 @@ def plan_compiled(
                 if scope == "model":
                     raise _split_error("the whole model", exc) from None
     found: list[tuple[_Option | None, int]] = []
-    if scope != "model":
+    if scope != "model" and graph.regions:
         block_frontiers = {k: v for k, v in frontiers.items() if k != WHOLE_MODEL}
         found.append(_per_block(graph, config, block_frontiers, budget_bytes, time_limit_s))
     if WHOLE_MODEL in frontiers:
         found.append(_whole_model(graph, config, frontiers[WHOLE_MODEL], budget_bytes))
+    if not found:
+        raise TraceError(
+            "the model has no blocks and torch.compile's partitioner could not split the whole model on "
+            "fake tensors; plan it for eager training, without --compile"
+        )
     options = [o for o, _ in found if o is not None]
     if not options:
         smallest = min(least for _, least in found)
