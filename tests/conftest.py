@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import signal
 import textwrap
 from pathlib import Path
 
 import pytest
+
+# The Ctrl-C tests need SIGINT to interrupt, here and in the processes they start. A shell that runs
+# the suite in the background (`make test &`, nohup) starts it with SIGINT ignored, which Python and
+# every child would keep; run as in the foreground instead (children then start with the default).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 _TRACES: dict = {}
 
