@@ -59,8 +59,8 @@ def register(add) -> None:
         "--compile-scope",
         choices=SCOPES,
         default="auto",
-        help="with --compile: 'blocks' compiles each block at its own budget, 'model' the whole model at one, "
-        "'auto' whichever recomputes less",
+        help="with --compile: 'blocks' compiles each block at its own budget, 'model' the whole model at "
+        "budget 1.0, 'auto' whichever recomputes less",
     )
 
 
