@@ -276,10 +276,10 @@ def _model_rows(name: str, builder: str, batch: int, seq: int, profile: str, opt
         )
     rounds = 2 if opts.quick else ROUNDS
     attempts = 1 if opts.quick else 10
-    order = np.random.default_rng(0)
+    order, strategies = np.random.default_rng(0), list(runners.values())
     for k in range(rounds):  # round-robin, in a new order each round; the first warms up and is not kept
-        for i in order.permutation(len(runners)):
-            r = list(runners.values())[i]
+        for i in order.permutation(len(strategies)):
+            r = strategies[i]
             t = timed_quiet(r.step, attempts)
             if k:
                 r.steps.append(t)

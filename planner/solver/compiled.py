@@ -8,6 +8,7 @@ time that fits the budget everywhere.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,7 @@ __all__ = [
 ]
 
 FORWARD, SAVED, BACKWARD = 1, 2, 3  # what a block's split adds at a sample of a CompiledSkeleton
+BYTES_HELD = {FORWARD: "forward_bytes", SAVED: "saved_bytes", BACKWARD: "backward_bytes"}  # CompiledPoint field
 
 
 @dataclass(frozen=True)
@@ -60,13 +62,10 @@ class Window:
 
     def terms(self, points: Sequence[Sequence[CompiledPoint]]) -> list[tuple[int, int, int]]:
         """(block, point index, bytes) of every choice this window counts."""
+        held = {FORWARD: self.forward, SAVED: self.saved, BACKWARD: self.backward}
         return [
-            (i, j, getattr(p, field))
-            for blocks, field in (
-                (self.forward, "forward_bytes"),
-                (self.saved, "saved_bytes"),
-                (self.backward, "backward_bytes"),
-            )
+            (i, j, getattr(p, BYTES_HELD[hold]))
+            for hold, blocks in held.items()
             for i in blocks
             for j, p in enumerate(points[i])
         ]
@@ -281,11 +280,14 @@ class CompiledSkeleton:
         at = timeline.op_index
         eager = timeline.total.astype(np.int64)
         base = eager.copy()
+        allocated_by_op: Counter[int] = Counter()
+        for t, tensor in graph.tensors.items():
+            allocated_by_op[tensor.alloc_op] += sizes[t]
         holds = np.zeros((len(spans), len(at)), dtype=np.int8)
         for k, (span, point) in enumerate(zip(spans, unsplit)):
             forward = (at >= span.fwd_start) & (at < span.fwd_end)
-            first_op_bytes = sum(sizes[t] for t, tensor in graph.tensors.items() if tensor.alloc_op == span.fwd_start)
-            base[forward] = eager[np.argmax(forward)] - first_op_bytes  # what was live before the block
+            # what was live before the block: the sample at its first op, less what that op allocated
+            base[forward] = eager[np.argmax(forward)] - allocated_by_op[span.fwd_start]
             holds[k, forward] = FORWARD
             replay = sum(sizes[t] for t in dropped_tensors(graph, span))
             backward = (at >= span.bwd_start) & (at < span.bwd_end)
@@ -297,7 +299,7 @@ class CompiledSkeleton:
     def peak_bytes(self, points: Sequence[CompiledPoint]) -> int:
         """Peak of the step with block k split at points[k]."""
         total = self.base.copy()
-        for hold, field in ((FORWARD, "forward_bytes"), (SAVED, "saved_bytes"), (BACKWARD, "backward_bytes")):
+        for hold, field in BYTES_HELD.items():
             total += np.array([getattr(p, field) for p in points], dtype=np.int64) @ (self.holds == hold)
         return int(total.max())
 
