@@ -160,19 +160,24 @@ def test_plan_compiled_fits_the_budget():
 
 
 def test_compile_scopes_whole_model_or_blocks():
-    """auto compiles the whole model (budget 1.0) where it fits, and blocks where only they fit; a
-    whole-model plan runs through compile_blocks with the root path."""
+    """auto compiles the whole model where it recomputes least; the whole model is split below
+    budget 1.0 too; a whole-model plan runs through compile_blocks with the root path."""
     spec, config = f"{PATH}:gpt_small", TrainConfig(batch_size=BATCH, seq_len=SEQ)
-    whole = plan_compiled(spec, config, 10**12, scope="model")
+    budgets = (1.0, 0.5, 0.0)
+    whole = plan_compiled(spec, config, 10**12, budgets=budgets, scope="model")
     assert whole.budgets == {"": 1.0} and whole.predicted.recompute_s == 0.0
-    blocks = plan_compiled(spec, config, 10**12, scope="blocks")
+    assert whole.predicted.overhead < 0  # it fuses the pointwise ops outside the blocks (norms, the loss)
+    blocks = plan_compiled(spec, config, 10**12, budgets=budgets, scope="blocks")
     # the whole graph also recomputes the fused pointwise ops between blocks (norms, the head's input)
     assert whole.predicted.peak_bytes < blocks.predicted.peak_bytes
-    assert plan_compiled(spec, config, whole.predicted.peak_bytes).budgets == {"": 1.0}
-    below = plan_compiled(spec, config, whole.predicted.peak_bytes - 1, budgets=(1.0, 0.5, 0.0))
-    assert "" not in below.budgets and below.predicted.peak_bytes < whole.predicted.peak_bytes
+    top = whole.predicted.peak_bytes
+    assert plan_compiled(spec, config, top, budgets=budgets).budgets == {"": 1.0}
+    lower = plan_compiled(spec, config, top - 1, budgets=budgets, scope="model")
+    assert lower.budgets[""] < 1.0 and lower.predicted.peak_bytes < top and lower.predicted.recompute_s > 0
+    auto = plan_compiled(spec, config, top - 1, budgets=budgets)
+    assert auto.predicted.peak_bytes < top and auto.predicted.recompute_s <= lower.predicted.recompute_s
     with pytest.raises(InfeasibleBudget, match="the compiled peak is"):
-        plan_compiled(spec, config, whole.predicted.peak_bytes - 1, scope="model")
+        plan_compiled(spec, config, top // 4, budgets=budgets, scope="model")
     with pytest.raises(SpecError, match="compile scope 'layers'"):
         plan_compiled(spec, config, 10**12, scope="layers")
 
@@ -261,20 +266,26 @@ def test_compiled_plan_applies_and_its_peak_is_predicted(build, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler")
+@pytest.mark.parametrize("below", [False, True], ids=["budget-1.0", "below-1.0"])
 @pytest.mark.parametrize("build", [gpt_small, llama_small, resnet_small])
-def test_whole_model_compiled_peak_is_predicted(build):
-    """scope 'model': under inductor the profiled peak is within 3% of the prediction plus the eager
-    step's scratch (measured -2.0% GPT, +1.2% Llama, -2.3% ResNet before the scratch)."""
+def test_whole_model_compiled_peak_is_predicted(build, below):
+    """scope 'model', at budget 1.0 and at the split just below what 1.0 needs: under inductor the
+    profiled peak is within 4% of the prediction plus the eager step's scratch (at 0.5 measured:
+    GPT -3.2%, Llama +3.4%, ResNet -2.3%)."""
     config = TrainConfig(batch_size=4, seq_len=128)
+    spec, budgets = f"{PATH}:{build.__name__}", (1.0, 0.5, 0.0)
     scratch = _eager_scratch_bytes(build, config)
-    plan = plan_compiled(f"{PATH}:{build.__name__}", config, 10**12, scope="model")
+    plan = plan_compiled(spec, config, 10**12, budgets=budgets, scope="model")
+    if below:
+        plan = plan_compiled(spec, config, plan.predicted.peak_bytes - 1, budgets=budgets, scope="model")
+        assert plan.budgets[""] < 1.0
     torch.manual_seed(0)
     model, inputs = build(config.batch_size, config.seq_len)
     handle = compile_blocks(model, plan.budgets)
     measured = measure_compiled_step(model, inputs, config)
     handle.remove()
     error = (plan.predicted.peak_bytes + scratch - measured.peak_bytes) / measured.peak_bytes
-    assert abs(error) <= 0.03, (plan.predicted.peak_bytes, scratch, measured.peak_bytes)
+    assert abs(error) <= 0.04, (plan.budgets, plan.predicted.peak_bytes, scratch, measured.peak_bytes)
 
 
 def test_compiled_plan_file_is_validated(tmp_path):

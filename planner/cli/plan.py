@@ -60,7 +60,7 @@ def register(add) -> None:
         choices=SCOPES,
         default="auto",
         help="with --compile: 'blocks' compiles each block at its own budget, 'model' the whole model at "
-        "budget 1.0, 'auto' whichever recomputes less",
+        "one budget, 'auto' whichever recomputes less",
     )
 
 

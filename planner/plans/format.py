@@ -321,7 +321,9 @@ class CompiledPrediction:
     peak_bytes: int
     baseline_peak_bytes: int  # the eager step without a plan
     recompute_s: float
-    overhead: float  # recompute_s over the eager step without a plan
+    # added time over the eager step without a plan: recompute_s, less what the whole model's compile
+    # saves fusing the ops outside its blocks (below zero where that saves more)
+    overhead: float
 
 
 @dataclass(frozen=True)

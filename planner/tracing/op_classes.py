@@ -17,6 +17,7 @@ __all__ = [
     "ATTENTION_CORE_OPS",
     "ATTENTION_OPS",
     "CONV_OPS",
+    "EXTERN_KERNEL_OPS",
     "HEAVY_OPS",
     "LINEAR_MATMUL_OPS",
     "MATMUL_OPS",
@@ -87,6 +88,10 @@ CONV_OPS = op_names(
 
 # Ops whose outputs cost the most time per byte to recompute.
 HEAVY_OPS = MATMUL_OPS | CONV_OPS | ATTENTION_OPS
+
+# Ops inductor calls the kernel library for; it fuses the others (pointwise ops, reductions) into
+# kernels of its own.
+EXTERN_KERNEL_OPS = HEAVY_OPS | ATTENTION_BACKWARD_OPS | op_names({aten.convolution_backward.default})
 
 # torch's op-level SAC as torch.utils.checkpoint documents it and torchtitan's `_op_sac_save_list`:
 # save matmul, attention and convolution outputs (and torchtitan's reduce-scatter and amax), recompute
