@@ -171,8 +171,7 @@ def _as_saved(
 ) -> list[Any]:
     """The backward's example inputs with each saved tensor strided as inductor's forward returns it
     (channels-last where it re-laid a convolution's output), as AOTAutograd compiles the backward."""
-    (out,) = [n for n in fw.graph.nodes if n.op == "output"]
-    stride_of = {a.name: s for a, s in zip(tree_flatten(out.args)[0], strides) if isinstance(a, torch.fx.Node)}
+    stride_of = {a.name: s for a, s in zip(_outputs(fw), strides) if isinstance(a, torch.fx.Node)}
     fake_mode = detect_fake_mode(example_inputs)
     restrided = list(example_inputs)
     placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
@@ -184,11 +183,16 @@ def _as_saved(
     return restrided
 
 
+def _outputs(gm: torch.fx.GraphModule) -> list[Any]:
+    """The graph's outputs in order (nodes, and constants where an output is no node)."""
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    return tree_flatten(out.args)[0]
+
+
 def _saved_activations(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
     """The backward's inputs that the forward saved for it, by name -> the forward node that allocated
     each (a view's base), less the forward's own inputs and their views."""
-    (out,) = [n for n in fw.graph.nodes if n.op == "output"]
-    fw_outputs = {a.name: a for a in tree_flatten(out.args)[0] if isinstance(a, torch.fx.Node)}
+    fw_outputs = {a.name: a for a in _outputs(fw) if isinstance(a, torch.fx.Node)}
     saved = {}
     for n in bw.graph.nodes:
         if n.op == "placeholder" and n.name in fw_outputs:
@@ -198,17 +202,18 @@ def _saved_activations(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> di
     return saved
 
 
-def _saved_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:
-    """Bytes of the saved activations, each underlying tensor once."""
-    return sum(b.meta["val"].numel() * b.meta["val"].element_size() for b in set(_saved_activations(fw, bw).values()))
+def _saved_bytes(saved: Mapping[str, torch.fx.Node]) -> int:
+    """Bytes of the saved activations (`_saved_activations`), each underlying tensor once."""
+    return sum(b.meta["val"].numel() * b.meta["val"].element_size() for b in set(saved.values()))
 
 
 @dataclass(frozen=True)
 class _Split:
-    """A block's forward and backward graphs at one budget, with inductor's peak estimate of each."""
+    """A block's split at one budget: its backward graph, the bytes its forward saves for it, and
+    inductor's peak estimate of each graph."""
 
-    forward: torch.fx.GraphModule
     backward: torch.fx.GraphModule
+    saved_bytes: int
     forward_peak_bytes: int
     backward_peak_bytes: int
 
@@ -226,22 +231,19 @@ def _batch_stats_only(norms: list[nn.Module]) -> Iterator[None]:
 
 def _split(block: nn.Module, args: tuple, kwargs: dict, budget: float, options: Mapping[str, Any]) -> _Split:
     """The block's split at one budget."""
-    got: dict[str, tuple[torch.fx.GraphModule, int]] = {}
-    fw_strides: list[tuple[int, ...] | None] = []
+    forward: list[tuple[torch.fx.GraphModule, int, list[tuple[int, ...] | None]]] = []  # graph, peak, strides
+    got: list[_Split] = []
 
     def forward_compiler(gm, example_inputs):
-        peak, strides = _inductor_peak_bytes(gm, example_inputs, False, frozenset(), options)
-        got["fw"] = gm, peak
-        fw_strides.extend(strides)
+        forward.append((gm, *_inductor_peak_bytes(gm, example_inputs, False, frozenset(), options)))
         return make_boxed_func(gm)
 
     def backward_compiler(gm, example_inputs):
-        fw = got["fw"][0]
-        example_inputs = _as_saved(gm, example_inputs, fw, fw_strides)
-        got["bw"] = (
-            gm,
-            _inductor_peak_bytes(gm, example_inputs, True, frozenset(_saved_activations(fw, gm)), options)[0],
-        )
+        ((fw, fw_peak, strides),) = forward
+        saved = _saved_activations(fw, gm)
+        example_inputs = _as_saved(gm, example_inputs, fw, strides)
+        bw_peak, _ = _inductor_peak_bytes(gm, example_inputs, True, frozenset(saved), options)
+        got.append(_Split(gm, _saved_bytes(saved), fw_peak, bw_peak))
         return make_boxed_func(gm)
 
     names = [n for n, _ in block.named_parameters()]
@@ -272,8 +274,7 @@ def _split(block: nn.Module, args: tuple, kwargs: dict, budget: float, options: 
         )
         out = compiled(*params, *tensors)
         sum(t.sum() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad).backward()
-    (fw, fw_peak), (bw, bw_peak) = got["fw"], got["bw"]
-    return _Split(fw, bw, fw_peak, bw_peak)
+    return got[0]
 
 
 def block_frontier(
@@ -304,7 +305,7 @@ def block_frontier(
         points.append(
             CompiledPoint(
                 budget,
-                _saved_bytes(split.forward, split.backward),
+                split.saved_bytes,
                 seconds,
                 flops,
                 backward_bytes=split.backward_peak_bytes,
