@@ -1,13 +1,20 @@
 """Measure this machine's op throughput and transfer rates, and turn them into a :class:`DeviceSpec`.
 
-Each figure is the best of a few timed repeats after a warm-up (the fastest run is the least
-disturbed by other processes): matmul FLOP/s (fp32 and bf16), fused attention FLOP/s (the compute
-dtype's matmul rate is used where the device has no fused kernel), pointwise bandwidth (an
-out-of-place add reads two operands and writes one), host link (device -> pinned host on CUDA,
-memcpy on CPU), disk write (fsync'ed) and read (after dropping the file from the page cache), and
-the host time a selective-checkpoint policy adds per op and pass (a small attention-and-MLP chain,
-forward and backward, under torch's selective checkpoint with a policy that numbers each op's calls
-as memplan's does and saves every output, so nothing is recomputed; against the same chain plain).
+Every timed figure is a probe: one call, timed after a warm-up. The probes run round-robin for a few
+rounds of a few repeats each, and each keeps its fastest call (the least disturbed by other
+processes): a burst of other work then spoils one round of every probe rather than every sample of
+one figure. The figures: matmul FLOP/s (fp32 and bf16), fused attention FLOP/s (on q, k, v as models
+pass them, heads transposed out of (batch, seq, heads, dim); the compute dtype's matmul rate is used
+where the device has no fused kernel), pointwise bandwidth (an out-of-place add reads two operands
+and writes one), host link (device -> pinned host on CUDA, memcpy on CPU), and the host time of
+activation checkpointing:
+- per op and pass of a selective-checkpoint policy: a chain of attention-and-MLP layers with
+  activations of a training step's size, forward and backward, under torch's selective checkpoint
+  with a policy that numbers each op's calls as memplan's does and saves every output, so nothing is
+  recomputed; against the same chain plain;
+- per op a plain checkpoint replays, beyond running it: the chain at a size where its ops cost only
+  their dispatch, checkpointed, against the chain plain plus one forward without autograd.
+Disk write (fsync'ed) and read (after dropping the file from the page cache) are timed once.
 
 Ops that run neither at the matmul rate nor at the pointwise bandwidth are measured one by one,
 called as the aten overloads the trace records: convolution forward and backward (FLOP/s, FLOPs as
@@ -39,7 +46,7 @@ __all__ = ["CalibrationSizes", "QUICK", "FULL", "Calibration", "calibrate"]
 
 @dataclass(frozen=True)
 class CalibrationSizes:
-    """Problem sizes of the measurements (FULL keeps the whole run under about 20 s)."""
+    """Problem sizes and repeats of the measurements (FULL keeps the whole run under about 20 s)."""
 
     matmul_n: int = 1024
     attention_seq: int = 512
@@ -49,7 +56,9 @@ class CalibrationSizes:
     disk_bytes: int = 128 * 2**20
     elementwise_elems: int = 2**21
     conv_shape: tuple[int, int, int] = (16, 64, 32)  # batch, channels in and out, image side
-    repeats: int = 3
+    chain_shape: tuple[int, int, int] = (4, 512, 256)  # batch, sequence, width of the selective probe
+    repeats: int = 3  # timed calls per probe and round
+    rounds: int = 5  # round-robin passes over the probes
 
 
 FULL = CalibrationSizes()
@@ -62,8 +71,11 @@ QUICK = CalibrationSizes(
     disk_bytes=2**20,
     elementwise_elems=2**12,
     conv_shape=(2, 8, 8),
+    chain_shape=(2, 8, 32),
     repeats=2,
+    rounds=1,
 )
+_DISPATCH_CHAIN = (2, 8, 32)  # small enough that the chain's ops cost only their dispatch
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,7 @@ class Calibration:
     disk_write_bytes_per_s: float
     disk_read_bytes_per_s: float
     selective_op_overhead_s: float
+    replay_op_overhead_s: float
     op_flops_per_s: dict[str, float]
     op_s_per_element: dict[str, float]
     wall_s: float
@@ -92,39 +105,57 @@ class Calibration:
         return {**self.measured(), "device": self.device.to_dict()}
 
 
-def _best_s(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
-    fn()
+@dataclass(frozen=True)
+class _Probe:
+    """One timed call and the work it does (FLOPs, bytes or elements): its figure is work / seconds."""
+
+    call: Callable[[], object]
+    work: float = 1.0
+
+
+def _best_times_s(probes: dict[str, _Probe], rounds: int, repeats: int, sync: Callable[[], None]) -> dict[str, float]:
+    """Each probe's fastest call over `rounds` round-robin passes of `repeats` calls (after one warm-up call each)."""
+    for p in probes.values():
+        p.call()
     sync()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return max(best, 1e-9)
+    best = dict.fromkeys(probes, float("inf"))
+    for _ in range(rounds):
+        for key, p in probes.items():
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                p.call()
+                sync()
+                best[key] = min(best[key], time.perf_counter() - t0)
+    return {k: max(v, 1e-9) for k, v in best.items()}
 
 
-def _matmul_flops(n: int, dtype: torch.dtype, device: torch.device, repeats: int, sync) -> float:
+def _matmul(n: int, dtype: torch.dtype, device: torch.device) -> _Probe:
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    return 2 * n**3 / _best_s(lambda: torch.mm(a, b), repeats, sync)
+    return _Probe(lambda: torch.mm(a, b), 2 * n**3)
 
 
-def _attention_flops(sizes: CalibrationSizes, dtype: torch.dtype, device: torch.device, sync) -> float:
+def _attention(sizes: CalibrationSizes, dtype: torch.dtype, device: torch.device) -> _Probe:
     b, h, s, d = 2, sizes.attention_heads, sizes.attention_seq, 64
-    q, k, v = (torch.randn(b, h, s, d, device=device).to(dtype) for _ in range(3))
+    q, k, v = (torch.randn(b, s, h, d, device=device).to(dtype).transpose(1, 2) for _ in range(3))
     flops = 4 * b * h * s * s * d  # QK^T and PV, counted without the causal mask as costmodels.flops does
-    return flops / _best_s(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), sizes.repeats, sync)
+    return _Probe(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), flops)
 
 
-def _pointwise_bytes_per_s(n: int, device: torch.device, repeats: int, sync) -> float:
+def _pointwise(n: int, device: torch.device) -> _Probe:
     a, b, out = (torch.empty(n, device=device).fill_(1.0) for _ in range(3))
-    return 3 * 4 * n / _best_s(lambda: torch.add(a, b, out=out), repeats, sync)
+    return _Probe(lambda: torch.add(a, b, out=out), 3 * 4 * n)
+
+
+def _host_link(nbytes: int, device: torch.device) -> _Probe:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    return _Probe(lambda: dst.copy_(src, non_blocking=device.type == "cuda"), nbytes)
 
 
 def _chain(x: torch.Tensor, weights: list[torch.Tensor], heads: int) -> torch.Tensor:
     """Two attention-and-MLP layers: the op mix (views, matmuls, attention, pointwise, reductions)
-    of the blocks memplan checkpoints, at a size where the ops cost little beside their dispatch."""
+    of the blocks memplan checkpoints."""
     b, s, d = x.shape
     for _ in range(2):
         q, k, v = (F.linear(x, w).view(b, s, heads, d // heads).transpose(1, 2) for w in weights[:3])
@@ -157,23 +188,34 @@ class _NumberingPolicy:
         return CheckpointPolicy.MUST_SAVE
 
 
-def _selective_op_overhead_s(repeats: int, device: torch.device, sync) -> float:
-    g = torch.Generator(device="cpu").manual_seed(0)
-    weights = [torch.randn(32, 32, generator=g).to(device).requires_grad_() for _ in range(6)]
-    x = torch.randn(2, 8, 32, generator=g).to(device).requires_grad_()
-    with _CountOps() as counter:
-        _chain(x, weights, 4)
+class _ChainRuns:
+    """The chain at one shape, run plain, checkpointed (plainly or selectively) and forward only."""
 
-    def plain() -> None:
-        _chain(x, weights, 4).sum().backward()
+    def __init__(self, shape: tuple[int, int, int], device: torch.device) -> None:
+        batch, seq, width = shape
+        g = torch.Generator(device="cpu").manual_seed(0)
+        self.weights = [torch.randn(width, width, generator=g).to(device).requires_grad_() for _ in range(6)]
+        self.x = torch.randn(batch, seq, width, generator=g).to(device).requires_grad_()
+        with _CountOps() as counter:
+            self._forward()
+        self.ops = counter.ops
 
-    def selective() -> None:
+    def _forward(self) -> torch.Tensor:
+        return _chain(self.x, self.weights, 4)
+
+    def plain(self) -> None:
+        self._forward().sum().backward()
+
+    def forward_only(self) -> None:
+        with torch.no_grad():
+            self._forward()
+
+    def checkpointed(self) -> None:
+        checkpoint(self._forward, use_reentrant=False).sum().backward()
+
+    def selective(self) -> None:
         context = lambda: create_selective_checkpoint_contexts(_NumberingPolicy())  # noqa: E731
-        checkpoint(_chain, x, weights, 4, use_reentrant=False, context_fn=context).sum().backward()
-
-    reps = max(5, 3 * repeats)
-    added = _best_s(selective, reps, sync) - _best_s(plain, reps, sync)
-    return max(0.0, added / (2 * counter.ops))  # each op passes the policy twice: forward and recompute
+        checkpoint(self._forward, use_reentrant=False, context_fn=context).sum().backward()
 
 
 _ELEMENTWISE_WIDTH = 1024  # last dimension of the elementwise probes (softmax and LayerNorm rows)
@@ -218,16 +260,17 @@ def _elementwise_calls(n: int, device: torch.device) -> dict[str, Callable[[], o
     }
 
 
-def _elementwise_s_per_element(n: int, device: torch.device, repeats: int, sync) -> dict[str, float]:
+def _elementwise(n: int, device: torch.device) -> dict[str, _Probe]:
+    """Op name -> its probe; the figure is output elements per second."""
     out = {}
     for name, call in _elementwise_calls(n, device).items():
         result = call()
         first = result[0] if isinstance(result, tuple) else result
-        out[name] = _best_s(call, repeats, sync) / first.numel()
+        out[name] = _Probe(call, first.numel())
     return out
 
 
-def _conv_flops_per_s(shape: tuple[int, int, int], device: torch.device, repeats: int, sync) -> dict[str, float]:
+def _convolutions(shape: tuple[int, int, int], device: torch.device) -> dict[str, _Probe]:
     aten = torch.ops.aten
     batch, channels, side = shape
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -239,15 +282,8 @@ def _conv_flops_per_s(shape: tuple[int, int, int], device: torch.device, repeats
     backward_args = (torch.randn_like(y), x, w, [0], *geometry, [True, True, False])
     out = {}
     for op, args in ((aten.convolution.default, forward_args), (aten.convolution_backward.default, backward_args)):
-        flops = op_flops(op, args, {}, op(*args))
-        out[str(op)] = flops / _best_s(lambda op=op, args=args: op(*args), repeats, sync)
+        out[str(op)] = _Probe(lambda op=op, args=args: op(*args), op_flops(op, args, {}, op(*args)))
     return out
-
-
-def _host_link_bytes_per_s(nbytes: int, device: torch.device, repeats: int, sync) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    return nbytes / _best_s(lambda: dst.copy_(src, non_blocking=device.type == "cuda"), repeats, sync)
 
 
 def _disk_bytes_per_s(nbytes: int, folder: str | None) -> tuple[float, float]:
@@ -280,19 +316,34 @@ def calibrate(
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    fp32 = _matmul_flops(sizes.matmul_n, torch.float32, dev, sizes.repeats, sync)
     # CPUs without bf16 matrix units run bf16 matmuls ~100x slower than fp32: a quarter of the size
-    bf16 = _matmul_flops(
-        sizes.matmul_n if dev.type == "cuda" else max(64, sizes.matmul_n // 4), torch.bfloat16, dev, sizes.repeats, sync
-    )
+    bf16_n = sizes.matmul_n if dev.type == "cuda" else max(64, sizes.matmul_n // 4)
     compute_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    attention = _attention_flops(sizes, compute_dtype, dev, sync)
-    pointwise = _pointwise_bytes_per_s(sizes.pointwise_elems, dev, sizes.repeats, sync)
-    host = _host_link_bytes_per_s(sizes.transfer_bytes, dev, sizes.repeats, sync)
+    selective, dispatch = _ChainRuns(sizes.chain_shape, dev), _ChainRuns(_DISPATCH_CHAIN, dev)
+    elementwise, convolutions = _elementwise(sizes.elementwise_elems, dev), _convolutions(sizes.conv_shape, dev)
+    probes = {
+        "fp32": _matmul(sizes.matmul_n, torch.float32, dev),
+        "bf16": _matmul(bf16_n, torch.bfloat16, dev),
+        "attention": _attention(sizes, compute_dtype, dev),
+        "pointwise": _pointwise(sizes.pointwise_elems, dev),
+        "host": _host_link(sizes.transfer_bytes, dev),
+        "selective plain": _Probe(selective.plain),
+        "selective": _Probe(selective.selective),
+        "dispatch plain": _Probe(dispatch.plain),
+        "dispatch forward": _Probe(dispatch.forward_only),
+        "dispatch checkpointed": _Probe(dispatch.checkpointed),
+        **elementwise,
+        **convolutions,
+    }
+    best_s = _best_times_s(probes, sizes.rounds, sizes.repeats, sync)
+    rate = {k: p.work / best_s[k] for k, p in probes.items()}
+    # every op passes a selective policy twice (forward and recompute); nothing is recomputed
+    selective_op_s = max(0.0, (best_s["selective"] - best_s["selective plain"]) / (2 * selective.ops))
+    replayed_s = best_s["dispatch checkpointed"] - best_s["dispatch plain"] - best_s["dispatch forward"]
+    replay_op_s = max(0.0, replayed_s / dispatch.ops)
     write, read = _disk_bytes_per_s(sizes.disk_bytes, disk_folder)
-    dispatch = _selective_op_overhead_s(sizes.repeats, dev, sync)
-    elementwise = _elementwise_s_per_element(sizes.elementwise_elems, dev, sizes.repeats, sync)
-    conv = _conv_flops_per_s(sizes.conv_shape, dev, sizes.repeats, sync)
+    per_element = {k: 1 / rate[k] for k in elementwise}
+    conv = {k: rate[k] for k in convolutions}
     base = get_device("cpu")
     if dev.type == "cuda":
         memory = torch.cuda.get_device_properties(dev).total_memory
@@ -301,20 +352,33 @@ def calibrate(
     spec = DeviceSpec(
         name=name or (torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu-calibrated"),
         memory_bytes=int(memory),
-        bf16_flops_per_s=bf16 / COMPUTE_EFFICIENCY,
-        fp32_flops_per_s=fp32 / COMPUTE_EFFICIENCY,
-        hbm_bytes_per_s=pointwise / BANDWIDTH_EFFICIENCY,
-        host_link_bytes_per_s=host,
+        bf16_flops_per_s=rate["bf16"] / COMPUTE_EFFICIENCY,
+        fp32_flops_per_s=rate["fp32"] / COMPUTE_EFFICIENCY,
+        hbm_bytes_per_s=rate["pointwise"] / BANDWIDTH_EFFICIENCY,
+        host_link_bytes_per_s=rate["host"],
         disk_bytes_per_s=min(write, read),
         is_cuda=dev.type == "cuda",
         interconnect_bytes_per_s=base.interconnect_bytes_per_s,
         network_bytes_per_s=base.network_bytes_per_s,
         gpus_per_node=1 if dev.type != "cuda" else torch.cuda.device_count(),
-        attention_flops_per_s=attention / COMPUTE_EFFICIENCY,
-        selective_op_overhead_s=dispatch,
+        attention_flops_per_s=rate["attention"] / COMPUTE_EFFICIENCY,
+        selective_op_overhead_s=selective_op_s,
+        replay_op_overhead_s=replay_op_s,
         op_flops_per_s=conv,
-        op_s_per_element=elementwise,
+        op_s_per_element=per_element,
     )
     return Calibration(
-        fp32, bf16, attention, pointwise, host, write, read, dispatch, conv, elementwise, time.perf_counter() - t0, spec
+        rate["fp32"],
+        rate["bf16"],
+        rate["attention"],
+        rate["pointwise"],
+        rate["host"],
+        write,
+        read,
+        selective_op_s,
+        replay_op_s,
+        conv,
+        per_element,
+        time.perf_counter() - t0,
+        spec,
     )

@@ -61,10 +61,13 @@ class DeviceSpec:
     network_bytes_per_s: float = 12.5e9
     gpus_per_node: int = 8
     attention_flops_per_s: float = 0.0  # fused attention's peak rate in the compute dtype; 0: the matmul rate
-    # Host seconds a selective-checkpoint policy's dispatch mode adds to each op it sees, per pass
-    # (forward and recompute). Measured by `memplan calibrate`; 0 in the presets, and not counted on
-    # CUDA, where the host queues kernels ahead of the device (costmodels.runtime.selective_dispatch_s).
+    # Host seconds activation checkpointing adds: a selective policy's dispatch mode per op it sees
+    # and pass (forward and recompute), and a plain checkpoint per op it replays, beyond running the
+    # op (saved-tensor hooks, the replay's bookkeeping). Measured by `memplan calibrate`; 0 in the
+    # presets, and not counted on CUDA, where the host queues kernels ahead of the device
+    # (costmodels.runtime.checkpoint_host_s).
     selective_op_overhead_s: float = 0.0
+    replay_op_overhead_s: float = 0.0
     # Measured rates of single ops that do not run at the matmul rate or the memory bandwidth (CPU
     # convolutions, transcendental activations, norms), by aten overload name as the trace writes it
     # ("aten.gelu.default"): FLOP/s of compute-bound ops and seconds per output element of
@@ -188,7 +191,8 @@ def _load_profile(path: str, mtime_ns: int) -> DeviceSpec:
         <= 0
     ):
         raise ValueError(f"device profile {path} has a non-positive rate or capacity; re-run memplan calibrate")
-    if not 0 <= spec.selective_op_overhead_s < 1 or any(not 0 <= v < 1 for _, v in spec.op_s_per_element):
+    per_op_s = [spec.selective_op_overhead_s, spec.replay_op_overhead_s, *(v for _, v in spec.op_s_per_element)]
+    if any(not 0 <= v < 1 for v in per_op_s):
         raise ValueError(f"device profile {path} has a per-op time outside [0, 1) s; re-run memplan calibrate")
     if any(v <= 0 for _, v in spec.op_flops_per_s):
         raise ValueError(f"device profile {path} has a non-positive op rate; re-run memplan calibrate")

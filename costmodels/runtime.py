@@ -7,6 +7,8 @@ kernels (cf. MLPerf/Megatron MFU reports); launch overhead is 5 us on CUDA, 2 us
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from costmodels.hardware import DeviceSpec
@@ -57,10 +59,21 @@ def op_time_s(
     return max(compute, memory, elementwise) + overhead
 
 
-def selective_dispatch_s(device: DeviceSpec) -> float:
-    """Seconds a selective-checkpoint policy adds to a step per op and pass: its Python dispatch runs
-    in line with the ops on a CPU; on CUDA the host runs ahead of the kernels and it is hidden."""
-    return 0.0 if device.is_cuda else device.selective_op_overhead_s
+@dataclass(frozen=True)
+class CheckpointHost:
+    """Host seconds activation checkpointing adds to a step: a selective policy per op and pass, a
+    plain checkpoint per op it replays (beyond the op's own time)."""
+
+    selective_op_s: float = 0.0
+    replay_op_s: float = 0.0
+
+
+def checkpoint_host_s(device: DeviceSpec) -> CheckpointHost:
+    """What checkpointing's Python adds on `device`: in line with the ops on a CPU; nothing on CUDA,
+    where the host runs ahead of the kernels and it is hidden."""
+    if device.is_cuda:
+        return CheckpointHost()
+    return CheckpointHost(device.selective_op_overhead_s, device.replay_op_overhead_s)
 
 
 def transfer_time_s(nbytes: int, device: DeviceSpec, target: str) -> float:

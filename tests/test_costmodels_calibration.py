@@ -35,12 +35,14 @@ def test_calibration_measures_positive_rates(tiny):
         "disk_write_bytes_per_s",
         "disk_read_bytes_per_s",
         "selective_op_overhead_s",
+        "replay_op_overhead_s",
         "op_flops_per_s",
         "op_s_per_element",
         "wall_s",
     }
-    rates = {k: v for k, v in m.items() if not isinstance(v, dict) and k != "selective_op_overhead_s"}
-    assert all(v > 0 for v in rates.values()) and m["wall_s"] < 20 and m["selective_op_overhead_s"] >= 0
+    host = ("selective_op_overhead_s", "replay_op_overhead_s")
+    rates = {k: v for k, v in m.items() if not isinstance(v, dict) and k not in host}
+    assert all(v > 0 for v in rates.values()) and m["wall_s"] < 20 and all(m[k] >= 0 for k in host)
     assert set(m["op_flops_per_s"]) == {"aten.convolution.default", "aten.convolution_backward.default"}
     assert {"aten.gelu.default", "aten.gelu.default[approximate=tanh]", "aten.native_batch_norm.default"} <= set(
         m["op_s_per_element"]
@@ -75,6 +77,7 @@ def test_calibration_measures_positive_rates(tiny):
     "field, value",
     [
         ("selective_op_overhead_s", -1.0),
+        ("replay_op_overhead_s", 2.0),
         ("op_s_per_element", {"aten.gelu.default": -1e-9}),
         ("op_flops_per_s", {"aten.convolution.default": 0.0}),
         ("op_s_per_element", {"aten.gelu.default": "fast"}),
@@ -116,25 +119,32 @@ def test_cli_calibrate_then_device_profile(tmp_path, capsys):
     assert_user_error(code, err, "simulate", "does not exist")
 
 
-def test_selective_dispatch_is_priced_per_op_and_pass(tiny, tmp_path):
+def test_checkpoint_host_time_is_priced_per_op_and_pass(tiny, tmp_path):
     """A selective plan pays the calibrated dispatch time for every forward op of each span and
-    every op its recompute reaches; full checkpointing and CUDA devices do not."""
+    every op its recompute reaches; a plain checkpoint pays the replay time for every op its
+    recompute reaches; CUDA devices pay neither."""
     graph = trace_for(f"{PATH}:gpt_small", TrainConfig(batch_size=2, seq_len=32))
-    times = {}
+    plans = {}
     for name, overhead, cuda in (("zero", 0.0, False), ("cpu", 1e-3, False), ("cuda", 1e-3, True)):
         d = profile_dict(tiny.device, tiny.measured())
-        d["device"].update(selective_op_overhead_s=overhead, is_cuda=cuda)
+        d["device"].update(selective_op_overhead_s=overhead, replay_op_overhead_s=overhead / 4, is_cuda=cuda)
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(d))
         config = TrainConfig(batch_size=2, seq_len=32, gpu=str(path))
-        times[name] = {s: solve(graph, config, 10**12, strategy=s) for s in ("op-sac", "full")}
-    choices = choices_from_decisions(graph, times["cpu"]["op-sac"].decisions)
-    assert choices and all(c.keep_ops for c in choices)
+        plans[name] = {s: solve(graph, config, 10**12, strategy=s) for s in ("op-sac", "full")}
+
+    def added_s(strategy: str, device: str) -> float:
+        return plans[device][strategy].predicted.recompute_s - plans["zero"][strategy].predicted.recompute_s
+
+    selective = choices_from_decisions(graph, plans["cpu"]["op-sac"].decisions)
+    assert selective and all(c.keep_ops for c in selective)
     passes = sum(
-        (c.span.fwd_end - c.span.fwd_start) + (recompute_stop(graph, c.span) - c.span.fwd_start) for c in choices
+        (c.span.fwd_end - c.span.fwd_start) + (recompute_stop(graph, c.span) - c.span.fwd_start) for c in selective
     )
-    added = times["cpu"]["op-sac"].predicted.recompute_s - times["zero"]["op-sac"].predicted.recompute_s
-    assert added == pytest.approx(1e-3 * passes)
-    assert times["cpu"]["full"].predicted.recompute_s == pytest.approx(times["zero"]["full"].predicted.recompute_s)
-    cuda_s, zero_s = times["cuda"]["op-sac"].predicted.recompute_s, times["zero"]["op-sac"].predicted.recompute_s
-    assert cuda_s < zero_s + 1e-3  # CUDA: only the op times differ (launch overhead), no dispatch
+    assert added_s("op-sac", "cpu") == pytest.approx(1e-3 * passes)
+    plain = choices_from_decisions(graph, plans["cpu"]["full"].decisions)
+    assert plain and not any(c.keep_ops for c in plain)
+    replayed = sum(recompute_stop(graph, c.span) - c.span.fwd_start for c in plain)
+    assert added_s("full", "cpu") == pytest.approx(1e-3 / 4 * replayed)
+    # CUDA: only the op times differ (launch overhead), no checkpointing host time
+    assert added_s("op-sac", "cuda") < 1e-3 and added_s("full", "cuda") < 1e-3

@@ -39,6 +39,7 @@ def run(args) -> None:
         ["disk write", f"{format_bytes(int(m['disk_write_bytes_per_s']))}/s"],
         ["disk read", f"{format_bytes(int(m['disk_read_bytes_per_s']))}/s"],
         ["selective checkpoint", f"{m['selective_op_overhead_s'] * 1e6:.1f} us per op and pass"],
+        ["checkpoint replay", f"{m['replay_op_overhead_s'] * 1e6:.1f} us per replayed op"],
         *([name, f"{rate / 1e9:.1f} GFLOP/s"] for name, rate in m["op_flops_per_s"].items()),
         *([name, f"{s_per * 1e9:.2f} ns per element"] for name, s_per in m["op_s_per_element"].items()),
     ]

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from costmodels.hardware import DeviceSpec
-from costmodels.runtime import transfer_time_s
+from costmodels.runtime import CheckpointHost, transfer_time_s
 from planner.errors import MemplanError, PlanFileError
 from planner.plans.decisions import OpKeys, module_plans
 from planner.plans.format import Decision
@@ -268,12 +268,17 @@ def storage_events(graph: OpGraph, tid: int, nbytes: int) -> Iterator[Event]:
 
 
 def choice_effect(
-    graph: OpGraph, choice: SpanChoice, sizes: Mapping[int, int], times: np.ndarray, dispatch_s: float = 0.0
+    graph: OpGraph,
+    choice: SpanChoice,
+    sizes: Mapping[int, int],
+    times: np.ndarray,
+    host: CheckpointHost | None = None,
 ) -> ChoiceEffect:
     """The events of one choice, with `sizes` the per-device bytes of each storage, `times` the
-    seconds of each op on the target and `dispatch_s` what a selective policy adds per op and pass
-    (costmodels.runtime.selective_dispatch_s): a selective recompute pays it for every forward op of
-    the span and every op its recompute reaches, kept ones included.
+    seconds of each op on the target and `host` what checkpointing's Python adds (None: nothing;
+    costmodels.runtime.checkpoint_host_s): a selective recompute pays its per-op cost for every
+    forward op of the span and every op its recompute reaches, kept ones included; a plain one for
+    every op its recompute reaches.
 
     A dropped storage is allocated by its op and leaves where it would die unsaved. A recompute
     re-creates it in the replay just before the span's backward; an offload reloads it when its
@@ -313,9 +318,12 @@ def choice_effect(
     redo = recompute_ops(graph, span, choice.keep_ops, dropped)
     flops = sum(graph.ops[i].flops for i in redo)
     seconds = float(times[redo].sum()) if redo else 0.0
+    host = host or CheckpointHost()
+    replayed = recompute_stop(graph, span) - span.fwd_start if dropped else 0
     if choice.keep_ops:
-        passes = (span.fwd_end - span.fwd_start) + (recompute_stop(graph, span) - span.fwd_start if dropped else 0)
-        seconds += dispatch_s * passes
+        seconds += host.selective_op_s * (span.fwd_end - span.fwd_start + replayed)
+    else:
+        seconds += host.replay_op_s * replayed
     return ChoiceEffect(moved, tuple(events), flops, seconds, None)
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from costmodels.hardware import get_device
 from costmodels.memory import ModelStates
-from costmodels.runtime import selective_dispatch_s
+from costmodels.runtime import checkpoint_host_s
 from planner.config import TrainConfig
 from planner.distributed.comm import step_communication
 from planner.distributed.fsdp import fsdp_buffers
@@ -158,7 +158,7 @@ def simulate(
     transients = _block_transients(graph, config, scale)
 
     sizes = storage_bytes(graph, config)
-    effects = [choice_effect(graph, c, sizes, times, selective_dispatch_s(device)) for c in choices]
+    effects = [choice_effect(graph, c, sizes, times, checkpoint_host_s(device)) for c in choices]
     slots = step_events(graph, sizes, effects)
 
     mem = _Memory()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from costmodels.hardware import DeviceSpec
-from costmodels.runtime import selective_dispatch_s, transfer_time_s
+from costmodels.runtime import checkpoint_host_s, transfer_time_s
 from planner.simulation.effects import (
     REPLAY,
     SAMPLE,
@@ -72,7 +72,7 @@ def option_effect(
     """How a span choice changes the curve: its events minus the traced lifetimes they replace."""
     span = choice.span
     b = span.bwd_start
-    effect = choice_effect(graph, choice, sizes, times, selective_dispatch_s(device))
+    effect = choice_effect(graph, choice, sizes, times, checkpoint_host_s(device))
     replaced = [ev for tid in sorted(effect.moved) for ev in storage_events(graph, tid, sizes[tid])]
     changes = list(effect.events) + [ev._replace(nbytes=-ev.nbytes) for ev in replaced]
     per_op: dict[int, int] = defaultdict(int)
