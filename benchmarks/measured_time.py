@@ -18,8 +18,9 @@ the same min-cut partitioner without code generation).
 - Time: strategies run round-robin, one step each per round, so drifts of the machine hit all of
   them alike, in a new (seeded) order each round, so what a step leaves behind (caches, freed
   memory) does not fall on the same next strategy every round; each step is timed only when the machine is quiet (benchmarks/quiet.py) and the
-  other processes' CPU time is recorded per step. Overhead = median step / median step of none - 1.
-  Noise = half the interquartile range of a strategy's steps over their median.
+  other processes' CPU time is recorded per step. Overhead = the median over rounds of a step's
+  time over none's step in the same round, minus 1: pairing the steps of a round cancels the
+  machine's drifts between rounds. Noise = half the interquartile range of those ratios (0 for none).
 - Peak: eager, a separate warm-up and measured step under memplan's LiveBytesTracker (as `memplan
   verify`); compiled, the profiler's memory timeline (planner.runtime.compiled.profiled_peak_bytes).
 - Gradients: the first step's gradients of every strategy against none's (same weights and data;
@@ -285,7 +286,7 @@ def _model_rows(name: str, builder: str, batch: int, seq: int, profile: str, opt
                 r.steps.append(t)
     for r in runners.values():
         r.close()
-    none_s = float(np.median([t.wall_s for t in runners["none"].steps]))
+    none_walls = np.array([t.wall_s for t in runners["none"].steps])
     rows = []
     for s, e in entries.items():
         row = {"model": name, "batch_size": batch, "seq_len": seq, "run": run, "strategy": s}
@@ -294,14 +295,14 @@ def _model_rows(name: str, builder: str, batch: int, seq: int, profile: str, opt
             rows.append({**row, **e})
             continue
         walls = np.array([t.wall_s for t in runner.steps])
-        q1, med, q3 = np.percentile(walls, [25, 50, 75])
+        q1, ratio, q3 = np.percentile(walls / none_walls, [25, 50, 75])  # step k of each ran in round k
         rows.append(
             {
                 **row,
                 **e,
-                "measured_overhead": float(med / none_s - 1),
-                "noise": float((q3 - q1) / 2 / med),
-                "median_step_s": float(med),
+                "measured_overhead": float(ratio - 1),
+                "noise": float((q3 - q1) / 2),
+                "median_step_s": float(np.median(walls)),
                 "steps": [t.to_dict() for t in runner.steps],
             }
         )
