@@ -7,13 +7,28 @@ from dataclasses import asdict, dataclass, replace
 from costmodels.hardware import get_device
 from costmodels.memory import check_optimizer, get_precision
 
-__all__ = ["DEFAULT_RESERVE", "DEFAULT_TIME_LIMIT_S", "MP_DTYPES", "TrainConfig"]
+__all__ = ["DEFAULT_RESERVE", "DEFAULT_TIME_LIMIT_S", "MP_DTYPES", "PP_SCHEDULES", "V_SHAPED_SCHEDULES", "TrainConfig"]
 
 DEFAULT_RESERVE = 0.05  # fraction of the device kept free for the allocator and the CUDA context
 DEFAULT_TIME_LIMIT_S = 10.0  # CP-SAT's deterministic time limit per solve
 
 # FSDP2 MixedPrecisionPolicy dtypes -> the precision preset whose trace gathers parameters in that dtype
 MP_DTYPES = {"float32": "fp32", "bfloat16": "bf16-mixed", "float16": "fp16-mixed"}
+
+# torch.distributed.pipelining schedules by their CLI names -> torch's class names (schedules.py).
+PP_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "looped-bfs": "ScheduleLoopedBFS",
+    "interleaved-zero-bubble": "ScheduleInterleavedZeroBubble",
+    "zbv-zero-bubble": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+# Schedules whose rank r holds stages r and 2·pp−1−r (two stages per rank, V-shaped).
+V_SHAPED_SCHEDULES = ("zbv-zero-bubble", "dualpipev")
+# Schedules that run one stage per rank.
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass(frozen=True)
@@ -41,6 +56,24 @@ class TrainConfig:
     # The step runs under torch.compile: plans give each block an activation_memory_budget for the
     # min-cut partitioner (planner.solver.compiled) instead of eager checkpointing.
     compile: bool = False
+    # Parallel layout, mesh order [pp, dp, cp, tp] as torchtitan. tp: tensor-parallel degree with
+    # sequence parallel on (sequence_parallel) and a sharding plan (tp_plan: "auto" or a
+    # PATH.py:FUNC / package.module:FUNC spec of FUNC(model, tp_mesh)); cp: context-parallel degree;
+    # ep: expert-parallel degree, borrowed from dp × cp, with ep_plan as tp_plan (FUNC(model, ep_mesh)).
+    # pp: pipeline stages on pp ranks under pp_schedule; batch_size is one data-parallel replica's
+    # batch, split into microbatches (None: pp); stages_per_rank (None: 2 for V-shaped schedules,
+    # else 1); pp_split: "uniform", "auto" or blocks per stage "N1,N2,...".
+    tp: int = 1
+    sequence_parallel: bool = True
+    tp_plan: str = "auto"
+    cp: int = 1
+    ep: int = 1
+    ep_plan: str = "auto"
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    microbatches: int | None = None
+    stages_per_rank: int | None = None
+    pp_split: str = "uniform"
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len", "dp"):
@@ -64,6 +97,77 @@ class TrainConfig:
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be true or false, got {self.compile!r}")
         self._check_fsdp()
+        self._check_layout()
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the whole job: pp × dp × cp × tp."""
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches if self.microbatches is not None else self.pp
+
+    @property
+    def num_stages_per_rank(self) -> int:
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return 2 if self.pp_schedule in V_SHAPED_SCHEDULES else 1
+
+    def _check_layout(self) -> None:
+        """The parallel degrees and the pipeline's shape, each with the flag that fixes it."""
+        for name in ("tp", "cp", "ep", "pp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"--{name} must be a positive integer, got {value!r}")
+        for name in ("microbatches", "stages_per_rank"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"sequence parallel must be true or false, got {self.sequence_parallel!r}")
+        for name in ("tp_plan", "ep_plan"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
+                raise ValueError(f"--{name.replace('_', '-')} must be auto, PATH.py:FUNC or package.module:FUNC")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(
+                f"--ep {self.ep} must divide --dp × --cp ({self.dp} × {self.cp}): expert parallel borrows "
+                "its ranks from the data- and context-parallel dimensions; raise --dp or lower --ep"
+            )
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"unknown --pp-schedule '{self.pp_schedule}'; use one of: {', '.join(PP_SCHEDULES)}")
+        v = self.num_stages_per_rank
+        if self.pp_schedule in V_SHAPED_SCHEDULES and v != 2:
+            raise ValueError(f"--pp-schedule {self.pp_schedule} runs 2 stages per rank; use --stages-per-rank 2")
+        if self.pp_schedule in SINGLE_STAGE_SCHEDULES and v != 1:
+            raise ValueError(
+                f"--pp-schedule {self.pp_schedule} runs 1 stage per rank; use interleaved-1f1b, looped-bfs or "
+                f"interleaved-zero-bubble for --stages-per-rank {v}"
+            )
+        if self.pp == 1 and (self.microbatches not in (None, 1) or v != 1 and self.stages_per_rank is not None):
+            raise ValueError("--microbatches and --stages-per-rank shape a pipeline; add --pp N (N > 1)")
+        if self.num_microbatches > self.batch_size:
+            raise ValueError(
+                f"--microbatches {self.num_microbatches} exceeds --batch-size {self.batch_size}: each microbatch "
+                "needs at least one sample; raise --batch-size or lower --microbatches"
+            )
+        if self.batch_size % self.num_microbatches:
+            raise ValueError(
+                f"--batch-size {self.batch_size} does not split into {self.num_microbatches} equal microbatches; "
+                "use a batch size that --microbatches divides"
+            )
+        split = self.pp_split.strip() if isinstance(self.pp_split, str) else None
+        if split not in ("uniform", "auto"):
+            parts = split.split(",") if split else []
+            if not parts or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+                raise ValueError(
+                    f"--pp-split must be uniform, auto or positive blocks per stage N1,N2,..., got {self.pp_split!r}"
+                )
+            if len(parts) != self.pp * v:
+                raise ValueError(
+                    f"--pp-split names {len(parts)} stages but --pp {self.pp} × --stages-per-rank {v} "
+                    f"makes {self.pp * v}; give one block count per stage"
+                )
 
     def _check_fsdp(self) -> None:
         """FSDP2 options need ZeRO-3; mp_param_dtype picks the matching mixed precision preset."""
@@ -102,6 +206,17 @@ class TrainConfig:
             ("mp_reduce_dtype", None),
             ("cpu_offload", False),
             ("compile", False),
+            ("tp", 1),
+            ("sequence_parallel", True),
+            ("tp_plan", "auto"),
+            ("cp", 1),
+            ("ep", 1),
+            ("ep_plan", "auto"),
+            ("pp", 1),
+            ("pp_schedule", "1f1b"),
+            ("microbatches", None),
+            ("stages_per_rank", None),
+            ("pp_split", "uniform"),
         ):
             if d[name] == default:
                 del d[name]

@@ -7,10 +7,18 @@ import json
 
 from costmodels.hardware import DEVICES
 from costmodels.memory import OPTIMIZERS, PRECISIONS
-from planner.config import MP_DTYPES, TrainConfig
+from planner.config import MP_DTYPES, PP_SCHEDULES, TrainConfig
 from planner.safe_io import clean, write_text
 
-__all__ = ["positive_int", "reshard_after_forward", "seq_lens", "add_model_options", "config_from_args", "write_json"]
+__all__ = [
+    "positive_int",
+    "reshard_after_forward",
+    "seq_lens",
+    "add_model_options",
+    "add_layout_options",
+    "config_from_args",
+    "write_json",
+]
 
 
 MAX_COUNT = 2**31 - 1
@@ -108,7 +116,43 @@ def add_model_options(p: argparse.ArgumentParser, sweep: bool = True, default_gp
         help="module paths of the checkpointable blocks, e.g. 'layer*' or 'encoder.block.*' "
         "(default: found by structure)",
     )
+    add_layout_options(p)
     p.add_argument("--json", dest="json_path", help="write the result as JSON to this path")
+
+
+def add_layout_options(p: argparse.ArgumentParser) -> None:
+    """Tensor, context, expert and pipeline parallel flags (mesh order [pp, dp, cp, tp])."""
+    g = p.add_argument_group("parallel layout (mesh order pp, dp, cp, tp)")
+    g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (sequence parallel on)")
+    g.add_argument(
+        "--no-sp", dest="sequence_parallel", action="store_false", help="tensor parallel without sequence parallel"
+    )
+    g.add_argument(
+        "--tp-plan",
+        default="auto",
+        metavar="auto|SPEC",
+        help="how the model is sharded: auto, or PATH.py:FUNC / package.module:FUNC, FUNC(model, tp_mesh)",
+    )
+    g.add_argument("--cp", type=positive_int, default=1, help="context-parallel degree (the sequence sharded)")
+    g.add_argument("--ep", type=positive_int, default=1, help="expert-parallel degree, borrowed from dp × cp")
+    g.add_argument(
+        "--ep-plan",
+        default="auto",
+        metavar="auto|SPEC",
+        help="how the experts are sharded: auto, or PATH.py:FUNC / package.module:FUNC, FUNC(model, ep_mesh)",
+    )
+    g.add_argument("--pp", type=positive_int, default=1, help="pipeline stages on this many ranks")
+    g.add_argument(
+        "--pp-schedule", default="1f1b", metavar="NAME", help="pipeline schedule: " + ", ".join(PP_SCHEDULES)
+    )
+    g.add_argument("--microbatches", type=positive_int, default=None, help="microbatches per step (default: --pp)")
+    g.add_argument(
+        "--stages-per-rank",
+        type=positive_int,
+        default=None,
+        help="virtual pipeline stages per rank (default: 2 for zbv-zero-bubble and dualpipev, else 1)",
+    )
+    g.add_argument("--pp-split", default="uniform", metavar="uniform|auto|N1,N2,...", help="blocks per pipeline stage")
 
 
 def config_from_args(args, seq_len: int | None = None) -> TrainConfig:
@@ -127,6 +171,17 @@ def config_from_args(args, seq_len: int | None = None) -> TrainConfig:
         mp_reduce_dtype=args.mp_reduce_dtype,
         cpu_offload=args.cpu_offload,
         blocks=tuple(g.strip() for g in args.blocks.split(",") if g.strip()),
+        tp=args.tp,
+        sequence_parallel=args.sequence_parallel,
+        tp_plan=args.tp_plan,
+        cp=args.cp,
+        ep=args.ep,
+        ep_plan=args.ep_plan,
+        pp=args.pp,
+        pp_schedule=args.pp_schedule,
+        microbatches=args.microbatches,
+        stages_per_rank=args.stages_per_rank,
+        pp_split=args.pp_split,
     )
 
 
