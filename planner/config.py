@@ -56,6 +56,9 @@ class TrainConfig:
     # The step runs under torch.compile: plans give each block an activation_memory_budget for the
     # min-cut partitioner (planner.solver.compiled) instead of eager checkpointing.
     compile: bool = False
+    # Micro-batches of batch_size whose gradients accumulate before one optimizer step: from the
+    # second on, every gradient is live from the start of the forward.
+    grad_accum_steps: int = 1
     # Parallel layout, mesh order [pp, dp, cp, tp] as torchtitan. tp: tensor-parallel degree with
     # sequence parallel on (sequence_parallel) and a sharding plan (tp_plan: "auto" or a
     # PATH.py:FUNC / package.module:FUNC spec of FUNC(model, tp_mesh)); cp: context-parallel degree;
@@ -76,7 +79,7 @@ class TrainConfig:
     pp_split: str = "uniform"
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "seq_len", "dp"):
+        for name in ("batch_size", "seq_len", "dp", "grad_accum_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name.replace('_', ' ')} must be a positive integer, got {value!r}")
@@ -206,6 +209,7 @@ class TrainConfig:
             ("mp_reduce_dtype", None),
             ("cpu_offload", False),
             ("compile", False),
+            ("grad_accum_steps", 1),
             ("tp", 1),
             ("sequence_parallel", True),
             ("tp_plan", "auto"),

@@ -56,13 +56,16 @@ def make_optimizer(params, name: str) -> torch.optim.Optimizer | None:
     raise ValueError(f"optimizer '{name}' cannot run on this machine; verify with adamw, sgd, adafactor or none")
 
 
-def run_training_step(model: nn.Module, inputs, optimizer, precision: str) -> torch.Tensor:
-    """One training step (forward, backward, optimizer step) as memplan measures it; returns the loss."""
+def run_training_step(model: nn.Module, inputs, optimizer, precision: str, grad_accum_steps: int = 1) -> torch.Tensor:
+    """One training step as memplan measures it: `grad_accum_steps` forwards and backwards of
+    `inputs` (their gradients accumulate, each loss scaled by 1/steps), then the optimizer step;
+    returns the last micro-batch's loss."""
     autocast_dtype = get_precision(precision).autocast_dtype
-    ctx = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
-    with ctx:
-        loss = loss_of(run_step_inputs(model, inputs))
-    loss.backward()
+    for _ in range(grad_accum_steps):
+        ctx = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
+        with ctx:
+            loss = loss_of(run_step_inputs(model, inputs))
+        (loss / grad_accum_steps if grad_accum_steps > 1 else loss).backward()
     if optimizer is not None:
         optimizer.step()
     return loss
@@ -75,7 +78,7 @@ def warmed_up(model: nn.Module, inputs, config: TrainConfig) -> torch.optim.Opti
     model.train()
     for p in model.parameters():
         p.grad = None
-    run_training_step(model, inputs, optimizer, config.precision)
+    run_training_step(model, inputs, optimizer, config.precision, config.grad_accum_steps)
     for p in model.parameters():
         p.grad = None
     return optimizer
@@ -102,7 +105,7 @@ def measure_step(model: nn.Module, inputs, config: TrainConfig) -> Measurement:
         model,
         inputs,
         optimizer,
-        lambda: run_training_step(model, inputs, optimizer, config.precision),
+        lambda: run_training_step(model, inputs, optimizer, config.precision, config.grad_accum_steps),
     )
 
 

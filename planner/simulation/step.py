@@ -32,6 +32,7 @@ from planner.simulation.costs import (
     storage_bytes,
 )
 from planner.simulation.effects import (
+    FREE,
     SAMPLE,
     ChoiceEffect,
     Event,
@@ -159,10 +160,13 @@ def simulate(
 
     sizes = storage_bytes(graph, config)
     effects = [choice_effect(graph, c, sizes, times, checkpoint_host_s(device)) for c in choices]
-    slots = step_events(graph, sizes, effects)
+    accumulating = config.grad_accum_steps > 1
+    slots = step_events(graph, sizes, effects, accumulating)
 
     mem = _Memory()
     mem.add("optimizer", states.optimizer)
+    if accumulating:  # the earlier micro-batches' gradients
+        mem.add("gradient", sum(sizes[t.id] for t in graph.tensors.values() if t.category == "gradient"))
     for ev in slots[0]:
         mem.add(ev.category, ev.nbytes)
     for op in graph.ops:
@@ -183,8 +187,9 @@ def simulate(
     recompute_s = sum(e.recompute_s for e in effects)
     optimizer_s = 2 * (states.parameter + states.gradient + states.optimizer) / device.hbm_bytes_per_s
     comm = step_communication(graph, times, config, device)
+    micro_batch_s = float(times.sum()) + recompute_s + exposed + comm.exposed_communication_s
     costs = StepCosts(
-        step_s=float(times.sum()) + optimizer_s + recompute_s + exposed + comm.exposed_communication_s,
+        step_s=config.grad_accum_steps * micro_batch_s + optimizer_s,
         recompute_flops=int(sum(e.recompute_flops for e in effects)),
         recompute_s=recompute_s,
         offload_bytes=int(sum(tr.nbytes for tr in transfers)),
@@ -195,18 +200,28 @@ def simulate(
     return _timeline(mem, states, graph, config, costs)
 
 
-def step_events(graph: OpGraph, sizes: Mapping[int, int], effects: Sequence[ChoiceEffect] = ()) -> list[list[Event]]:
+def step_events(
+    graph: OpGraph, sizes: Mapping[int, int], effects: Sequence[ChoiceEffect] = (), accumulating: bool = False
+) -> list[list[Event]]:
     """The step's events in order, in slots: [0] before the step, [i + 1] at op i, [-1] at the end.
 
     Storages no choice moves keep their traced lifetimes; the choices' events replace the others'.
     Within a slot events run by stage (frees, reloads, replays, allocations), stable otherwise.
+    `accumulating`: a later micro-batch of gradient accumulation, where each new gradient is added
+    into the one already held (AccumulateGrad's in-place `grad += new`) and freed at the next op.
     """
     moved = set().union(*(e.moved for e in effects))
     slots: list[list[Event]] = [[] for _ in range(len(graph.ops) + 2)]
+    last_op = len(graph.ops) - 1
     for tid in graph.tensors:
         if tid not in moved:
             for ev in storage_events(graph, tid, sizes[tid]):
                 slots[ev.op + 1].append(ev)
+            t = graph.tensors[tid]
+            if accumulating and t.category == "gradient" and t.free_op is None and t.alloc_op >= 0:
+                slots[min(t.alloc_op + 1, last_op) + 1].append(
+                    Event(min(t.alloc_op + 1, last_op), FREE, tid, -sizes[tid], t.category)
+                )
     for e in effects:
         for ev in e.events:
             slots[ev.op + 1].append(ev)
