@@ -64,8 +64,9 @@ def _rss_bytes() -> int:
 
 @contextlib.contextmanager
 def meter(sample_s: float = 0.002) -> Iterator[dict[str, float]]:
-    """Measure wall time and peak RSS above the starting RSS (sampled by a thread)."""
-    out = {"wall_s": 0.0, "peak_rss_delta_bytes": 0.0}
+    """Measure wall time, this process's CPU time (what a hang or a blow-up costs, whatever else
+    the machine runs) and peak RSS above the starting RSS (sampled by a thread)."""
+    out = {"wall_s": 0.0, "cpu_s": 0.0, "peak_rss_delta_bytes": 0.0}
     base = _rss_bytes()
     peak = [base]
     done = threading.Event()
@@ -78,10 +79,12 @@ def meter(sample_s: float = 0.002) -> Iterator[dict[str, float]]:
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
     start = time.perf_counter()
+    cpu_start = time.process_time()
     try:
         yield out
     finally:
         out["wall_s"] = time.perf_counter() - start
+        out["cpu_s"] = time.process_time() - cpu_start
         done.set()
         thread.join()
         peak[0] = max(peak[0], _rss_bytes())

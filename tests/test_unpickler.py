@@ -30,7 +30,7 @@ def test_memo_tuple_hash_bomb_is_refused_at_once(where: str) -> None:
     assert len(data) < 700  # the 649-byte file hashed for over 120 s
     with meter() as m, pytest.raises(ValueError, match="set element or dict key") as info:
         load_snapshot_bytes(data)
-    assert m["wall_s"] < 0.5
+    assert m["cpu_s"] < 0.5
     assert "\n" not in str(info.value)
 
 
@@ -62,7 +62,7 @@ def test_shared_frames_list_is_counted_per_use() -> None:
     # 20 blocks share one 200k-entry frames list: every further use is charged its length.
     with meter() as m, pytest.raises(ValueError, match="elements"):
         load_snapshot_bytes(shared_frames_snapshot(200_000, 20))
-    assert m["wall_s"] < 2.0
+    assert m["cpu_s"] < 2.0
 
 
 def test_shared_frames_within_budget_are_formatted_once() -> None:

@@ -116,6 +116,14 @@ def add_model_options(p: argparse.ArgumentParser, sweep: bool = True, default_gp
         help="module paths of the checkpointable blocks, e.g. 'layer*' or 'encoder.block.*' "
         "(default: found by structure)",
     )
+    p.add_argument(
+        "--grad-accum",
+        type=positive_int,
+        default=1,
+        dest="grad_accum_steps",
+        metavar="N",
+        help="micro-batches of --batch-size whose gradients accumulate before each optimizer step",
+    )
     add_layout_options(p)
     p.add_argument("--json", dest="json_path", help="write the result as JSON to this path")
 
@@ -171,6 +179,7 @@ def config_from_args(args, seq_len: int | None = None) -> TrainConfig:
         mp_reduce_dtype=args.mp_reduce_dtype,
         cpu_offload=args.cpu_offload,
         blocks=tuple(g.strip() for g in args.blocks.split(",") if g.strip()),
+        grad_accum_steps=args.grad_accum_steps,
         tp=args.tp,
         sequence_parallel=args.sequence_parallel,
         tp_plan=args.tp_plan,
