@@ -23,6 +23,7 @@ TABLES = {
     "zoo": "zoo",
     "fsdp": "fsdp",
     "configurations": "configurations",
+    "startup": "cli_startup",
 }
 TABLES["adaptive"] = "adaptive"  # growing sequence: adaptive plan vs a fixed one (benchmarks/adaptive.py)
 

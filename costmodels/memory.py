@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 Shape = tuple[int, ...]
 
@@ -26,44 +27,49 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
-DTYPE_BYTES: dict[torch.dtype, int] = {
-    dt: dtype_bytes(dt)
-    for dt in (
-        torch.float64,
-        torch.float32,
-        torch.bfloat16,
-        torch.float16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
-}
+_DTYPE_BYTES_NAMES = ("float64", "float32", "bfloat16", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")
+"""The torch dtypes in DTYPE_BYTES, by name: the module imports torch only when a dtype is asked for."""
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: DTYPE_BYTES, a dict keyed by torch dtypes, built on first use
+    if name != "DTYPE_BYTES":
+        raise AttributeError(f"module 'costmodels.memory' has no attribute {name!r}")
+    table = {_torch_dtype(n): dtype_bytes(_torch_dtype(n)) for n in _DTYPE_BYTES_NAMES}
+    globals()[name] = table
+    return table
 
 
 @dataclass(frozen=True)
 class Precision:
-    """Parameter dtype and optional autocast compute dtype."""
+    """Parameter dtype and optional autocast compute dtype, kept as torch dtype names ("bfloat16")."""
 
     name: str
-    param_dtype: torch.dtype
-    autocast_dtype: torch.dtype | None
+    param_dtype_name: str
+    autocast_dtype_name: str | None
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return _torch_dtype(self.param_dtype_name)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return None if self.autocast_dtype_name is None else _torch_dtype(self.autocast_dtype_name)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "param_dtype": str(self.param_dtype).removeprefix("torch."),
-            "autocast_dtype": None if self.autocast_dtype is None else str(self.autocast_dtype).removeprefix("torch."),
-        }
+        return {"name": self.name, "param_dtype": self.param_dtype_name, "autocast_dtype": self.autocast_dtype_name}
 
 
 PRECISIONS: dict[str, Precision] = {
-    "fp32": Precision("fp32", torch.float32, None),
-    "bf16": Precision("bf16", torch.bfloat16, None),
-    "bf16-mixed": Precision("bf16-mixed", torch.float32, torch.bfloat16),
-    "fp16-mixed": Precision("fp16-mixed", torch.float32, torch.float16),
+    "fp32": Precision("fp32", "float32", None),
+    "bf16": Precision("bf16", "bfloat16", None),
+    "bf16-mixed": Precision("bf16-mixed", "float32", "bfloat16"),
+    "fp16-mixed": Precision("fp16-mixed", "float32", "float16"),
 }
 
 

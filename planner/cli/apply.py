@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from planner.api import check_plan_for_spec
+from planner.cli.guard import guarded_imports
 from planner.cli.options import add_model_options, config_from_args
 
 __all__ = ["register", "run"]
@@ -17,5 +17,7 @@ def register(add) -> None:
 
 
 def run(args) -> None:
+    with guarded_imports():
+        from planner.api import check_plan_for_spec
     summary = check_plan_for_spec(args.model, config_from_args(args), args.plan)
     print(summary)

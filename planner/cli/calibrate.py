@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from costmodels.calibration import FULL, QUICK, calibrate
 from costmodels.hardware import profile_dict
 from planner.cli import report
+from planner.cli.guard import guarded_imports
 from planner.cli.options import write_json
 from planner.units import format_bytes
 
@@ -28,6 +28,8 @@ def register(add) -> None:
 
 
 def run(args) -> None:
+    with guarded_imports():
+        from costmodels.calibration import FULL, QUICK, calibrate
     result = calibrate(QUICK if args.quick else FULL, device=args.device, disk_folder=args.disk_dir)
     m = result.measured()
     rows = [

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from planner.analysis.diagnose import diagnose, diagnose_oom_message, diagnose_snapshot
 from planner.cli import report
+from planner.cli.guard import guarded_imports
 from planner.cli.options import add_model_options, config_from_args, write_json
 from planner.config import DEFAULT_TIME_LIMIT_S
 from planner.safe_io import clean  # snapshot text (pools, frames) may carry escape sequences
@@ -29,7 +29,9 @@ def _pct(x: float | None) -> str:
 
 
 def _print_snapshot(path: str, json_path: str | None) -> None:
-    r = diagnose_snapshot(path)
+    from planner.analysis.snapshot import read_snapshot  # torch-free, as explain_oom_message
+
+    r = read_snapshot(path)
     print(
         f"snapshot {clean(path)} ({r.format}): reserved {_fb(r.reserved_bytes)}, allocated {_fb(r.allocated_bytes)}, "
         f"free in cache {_fb(r.free_bytes)} (largest block {_fb(r.largest_free_block_bytes)}), "
@@ -54,7 +56,9 @@ def _print_snapshot(path: str, json_path: str | None) -> None:
 
 
 def _print_oom(text: str, json_path: str | None) -> None:
-    r = diagnose_oom_message(text)
+    from planner.analysis.oom_message import explain_oom_message  # torch-free: answers at once
+
+    r = explain_oom_message(text)
     print(f"verdict: {r.verdict}")
     for line in r.explanation:
         print(line)
@@ -75,6 +79,8 @@ def run(args) -> None:
     if not args.model:
         raise ValueError(_NEEDS_INPUT)
     config = config_from_args(args)
+    with guarded_imports():
+        from planner.analysis.diagnose import diagnose
     d = diagnose(args.model, config, time_limit_s=args.time_limit)
     print(
         f"{args.model} batch {config.batch_size} seq {config.seq_len} {config.precision} {config.optimizer} "

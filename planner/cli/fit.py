@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from costmodels.hardware import get_device
-from planner.analysis.fit import fit, largest_fitting
 from planner.cli import report
+from planner.cli.guard import guarded_imports
 from planner.cli.options import add_model_options, config_from_args, positive_int, write_json
 from planner.config import DEFAULT_RESERVE, DEFAULT_TIME_LIMIT_S
 from planner.units import format_bytes
@@ -44,6 +44,8 @@ def run(args) -> None:
             raise ValueError(f"{flag} must be a positive integer, got {value}")
     config = config_from_args(args)
     capacity = get_device(config.gpu).memory_bytes
+    with guarded_imports():
+        from planner.analysis.fit import fit, largest_fitting
     if args.gpus:
         r = largest_fitting(args.model, config, args.gpus, reserve=args.reserve, time_limit_s=args.time_limit)
         print(

@@ -1,43 +1,27 @@
 """`memplan` command line: wires subcommands to the public API, prints reports.
 
 Every user error (bad spec, bad size, infeasible budget, malformed plan) ends as one line on
-stderr and exit code 2.
+stderr and exit code 2. Building the parser imports nothing heavy; a command imports torch and
+OR-Tools when it runs. A Ctrl-C, while importing too (planner.cli.guard), is one line and exit 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
 from collections.abc import Callable
 
-from planner.errors import MemplanError
-from planner.safe_io import clean
+from planner.cli.guard import guarded_imports
 
-_interrupted_while_importing: list[int] = []
-
-
-def _note_interrupt(signum: int, frame: object) -> None:
-    _interrupted_while_importing.append(signum)  # noted: a library's bare `except:` may swallow the raise
-    raise KeyboardInterrupt
-
-
-# torch and OR-Tools import here (seconds): a Ctrl-C meanwhile is one line and exit 130 too.
-_watch = threading.current_thread() is threading.main_thread()
-_watch = _watch and signal.getsignal(signal.SIGINT) is signal.default_int_handler  # else: ignored or handled
-_previous_sigint = signal.signal(signal.SIGINT, _note_interrupt) if _watch else None
-try:
-    from planner.cli import apply, calibrate, diagnose, fit, plan, simulate, verify, watch
+try:  # light, but a loaded machine may take a while: a Ctrl-C meanwhile is one line and 130 too
+    with guarded_imports():
+        from planner.cli import apply, calibrate, diagnose, fit, plan, simulate, verify, watch
+        from planner.errors import MemplanError
+        from planner.safe_io import clean
 except KeyboardInterrupt:
-    _interrupted_while_importing.append(signal.SIGINT)
-finally:
-    if _previous_sigint is not None:
-        signal.signal(signal.SIGINT, _previous_sigint)
-if _interrupted_while_importing:
     sys.stderr.write("memplan: interrupted\n")
-    raise SystemExit(130)
+    raise SystemExit(130) from None
 
 __all__ = ["main"]
 

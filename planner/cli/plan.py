@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 from costmodels.hardware import get_device
-from planner.api import plan_model
 from planner.cli import report
-from planner.cli.compiled import run_compiled
+from planner.cli.guard import guarded_imports
 from planner.cli.options import add_model_options, config_from_args, write_json
 from planner.config import DEFAULT_RESERVE, DEFAULT_TIME_LIMIT_S
-from planner.plans.format import PlanLadder
-from planner.solver.compiled import SCOPES
-from planner.tracing.moe import describe_routing
 from planner.units import format_bytes, parse_bytes
 
 __all__ = ["register", "run", "budget_for"]
@@ -55,10 +51,10 @@ def register(add) -> None:
         action="store_true",
         help="plan for torch.compile: activation_memory_budget per block or for the whole model (writes a compiled plan)",
     )
-    p.add_argument(
+    p.add_argument(  # its values are checked by plan_compiled (planner.solver.compiled.SCOPES: torch to import)
         "--compile-scope",
-        choices=SCOPES,
         default="auto",
+        metavar="SCOPE",
         help="with --compile: 'blocks' compiles each block at its own budget, 'model' the whole model at "
         "one budget, 'auto' whichever recomputes less",
     )
@@ -77,6 +73,9 @@ def budget_for(args) -> int | str:
 
 
 def _plan_one(args, config, budget: int | str):
+    with guarded_imports():
+        from planner.api import plan_model
+        from planner.tracing.moe import describe_routing
     plan, rows, baseline = plan_model(
         args.model,
         config,
@@ -115,6 +114,9 @@ def _plan_one(args, config, budget: int | str):
 
 def run(args) -> None:
     budget = budget_for(args)
+    with guarded_imports():
+        from planner.cli.compiled import run_compiled
+        from planner.plans.format import PlanLadder
     if args.compile:
         return run_compiled(args, config_from_args(args).with_(compile=True), budget)
     solved = {s: _plan_one(args, config_from_args(args, s), budget) for s in args.seq_len}

@@ -1,16 +1,21 @@
-"""Human-readable output: byte formatting, tables and figures. Algorithms never print."""
+"""Human-readable output: byte formatting, tables and figures. Algorithms never print.
+
+Torch-free at import (``table`` serves every command); a function that needs the planner's
+modules imports them, already loaded by the command that calls it.
+"""
 
 from __future__ import annotations
 
 import io
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from planner.analysis.configurations import ConfigurationReport
 from planner.safe_io import write_bytes
-from planner.tracing.graph import CATEGORIES
-from planner.tracing.moe import describe_routing
 from planner.units import format_bytes, format_count
+
+if TYPE_CHECKING:
+    from planner.analysis.configurations import ConfigurationReport
 
 __all__ = ["configurations_table", "plot_sweep", "plot_timeline", "table", "timeline_table"]
 
@@ -34,9 +39,14 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 def timeline_table(result: dict, capacity_bytes: int | None = None) -> str:
     """The peak and its breakdown from a Timeline.to_dict()-shaped result."""
+    from planner.tracing.graph import CATEGORIES
+    from planner.tracing.moe import describe_routing
+
     rows = [[c, format_bytes(result["breakdown_at_peak"][c])] for c in CATEGORIES]
     rows.append(["total (peak)", format_bytes(result["peak_bytes"])])
-    lines = [
+    lines = [*_ranks_lines(result)] if "ranks" in result else []
+    lines += _pipeline_lines(result) if "pipeline" in result else []
+    lines += [
         f"peak {format_bytes(result['peak_bytes'])} in {result['peak_phase']} at "
         f"{result['peak_op']} (module '{result['peak_module'] or '<root>'}')",
         table(["category", "at peak"], rows),
@@ -55,6 +65,52 @@ def timeline_table(result: dict, capacity_bytes: int | None = None) -> str:
             f"({'headroom' if free >= 0 else 'short by'} {format_bytes(abs(free))})"
         )
     return "\n".join(lines)
+
+
+def _worst_rank_note(result: dict) -> str:
+    """' (worst rank R of N)' for a layout's result, else ''."""
+    if "ranks" not in result:
+        return ""
+    return f" (worst rank {result['worst_rank']} of {result['layout']['world_size']})"
+
+
+def _ranks_lines(result: dict) -> list[str]:
+    """A layout's roles (their ranks, coordinates, peak) and which rank is the worst."""
+    rows = []
+    for role in result["ranks"]:
+        ranks = role["ranks"]
+        shown = ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]},{ranks[1]},...,{ranks[-1]}"
+        coords = " ".join(f"{k}={v}" for k, v in role["coords"].items())
+        rows.append([shown, coords, format_bytes(role["peak_bytes"]), role["peak_phase"], role["peak_op"]])
+    layout = " × ".join(f"{d} {result['layout'][d]}" for d in ("pp", "dp", "cp", "tp") if result["layout"][d] > 1)
+    return [
+        f"{result['layout']['world_size']} ranks ({layout}), {len(result['ranks'])} distinct; worst rank "
+        f"{result['worst_rank']}, whose step is shown below",
+        table(["ranks", "coords (first)", "peak", "phase", "op at peak"], rows),
+        "",
+    ]
+
+
+def _pipeline_lines(result: dict) -> list[str]:
+    """A pipeline's schedule, split, each pp rank's stages, in-flight microbatches and peak, and its bubble."""
+    pl = result["pipeline"]
+    rows = [
+        [
+            r,
+            ",".join(map(str, role["stage"])),
+            pl["in_flight"][r],
+            format_bytes(role["peak_bytes"]),
+            pl["peak_actions"][r],
+        ]
+        for r, role in enumerate(result["ranks"])
+    ]
+    return [
+        f"pipeline {pl['schedule']}: {pl['pp']} ranks × {pl['stages_per_rank']} stages, {pl['microbatches']} "
+        f"microbatches, blocks per stage {','.join(map(str, pl['blocks_per_stage']))}; step {pl['step_s'] * 1e3:.1f} ms, "
+        f"bubble {pl['bubble_fraction'] * 100:.1f}%, first/last stage peak {pl['first_last_ratio']:.2f}",
+        table(["pp rank", "stages", "in flight", "peak", "action at peak"], rows),
+        "",
+    ]
 
 
 def _save_png(fig, path: str) -> None:
@@ -88,6 +144,8 @@ def plot_timeline(result: dict, path: str, capacity_bytes: int | None = None) ->
     """Stacked area of memory by category over the step, written as PNG."""
     import matplotlib
 
+    from planner.tracing.graph import CATEGORIES
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -106,7 +164,8 @@ def plot_timeline(result: dict, path: str, capacity_bytes: int | None = None) ->
     cfg = result.get("config", {})
     ax.set_title(
         f"{cfg.get('model', '')} batch {cfg.get('batch_size')} seq {cfg.get('seq_len')} "
-        f"{cfg.get('precision')} on {cfg.get('gpu')}: peak {format_bytes(result['peak_bytes'])}{note}"
+        f"{cfg.get('precision')} on {cfg.get('gpu')}: peak {format_bytes(result['peak_bytes'])}"
+        f"{_worst_rank_note(result)}{note}"
     )
     ax.set_xlabel("step progress (samples, in execution order)")
     ax.set_ylabel(unit)

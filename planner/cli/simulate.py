@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from costmodels.hardware import get_device
-from planner.api import simulate_model, simulate_sweep
 from planner.cli import report
+from planner.cli.guard import guarded_imports
 from planner.cli.options import add_model_options, config_from_args, write_json
 from planner.units import format_bytes
 
@@ -25,8 +25,16 @@ def register(add) -> None:
 
 def run(args) -> None:
     capacity = get_device(args.gpu).memory_bytes
+    with guarded_imports():
+        from planner.api import simulate_model, simulate_sweep
     if len(args.seq_len) == 1:
-        result = simulate_model(args.model, config_from_args(args), args.plan).to_dict()
+        config = config_from_args(args)
+        if config.tp > 1 or config.pp > 1:  # every rank of the layout; the worst one's timeline at the top level
+            from planner.api import simulate_layout
+
+            result = simulate_layout(args.model, config, args.plan).to_dict()
+        else:
+            result = simulate_model(args.model, config, args.plan).to_dict()
         print(report.timeline_table(result, capacity))
         write_json(args.json_path, result)
         if args.plot:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from planner.api import verify_model
 from planner.cli import report
+from planner.cli.guard import guarded_imports
 from planner.cli.options import add_model_options, config_from_args, write_json
 from planner.units import format_bytes
 
@@ -24,6 +24,8 @@ def register(add) -> None:
 def run(args) -> None:
     if args.gpu != "cpu":
         raise ValueError(f"verify runs the real model on this machine's CPU; drop --gpu {args.gpu}")
+    with guarded_imports():
+        from planner.api import verify_model
     results = [verify_model(args.model, config_from_args(args, s), args.plan) for s in args.seq_len]
     rows = [
         [r.config["seq_len"], format_bytes(r.predicted_bytes), format_bytes(r.measured_bytes), f"{r.error * 100:+.2f}%"]

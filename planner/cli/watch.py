@@ -56,7 +56,8 @@ def read_log(path: str | Path) -> list[dict]:
 
 
 def summary(records: list[dict]) -> dict:
-    """Peak, budget excess, drift and plan switches over the whole log."""
+    """Peak, budget excess, drift and plan switches over the whole log (a retarget that found no
+    plan switched nothing: it is listed under failed_retargets)."""
     drifts = [r["drift"] for r in records if r.get("drift") is not None]
     over = [r["step"] for r in records if r.get("budget_bytes") and r["measured_peak_bytes"] > r["budget_bytes"]]
     return {
@@ -65,7 +66,8 @@ def summary(records: list[dict]) -> dict:
         "steps_over_budget": over,
         "median_drift": median(drifts) if drifts else None,
         "max_abs_drift": max(map(abs, drifts)) if drifts else None,
-        "switches": [{"step": r["step"], **s} for r in records for s in r.get("switches", [])],
+        "switches": [{"step": r["step"], **s} for r in records for s in r.get("switches", []) if "failed" not in s],
+        "failed_retargets": [{"step": r["step"], **s} for r in records for s in r.get("switches", []) if "failed" in s],
         "empty_cache_count": sum(bool(r.get("empty_cache")) for r in records),
         "total_step_s": sum(r.get("step_s", 0.0) for r in records),
     }
@@ -90,7 +92,7 @@ def _rows(records: list[dict]) -> list[list[object]]:
                 _size(r.get("budget_bytes")),
                 plan.get("recompute", "-"),
                 f"{r.get('step_s', 0.0):.3f}",
-                "; ".join(s["reason"] for s in r.get("switches", [])),
+                "; ".join(s["reason"] + (" (failed: no plan)" if "failed" in s else "") for s in r.get("switches", [])),
             ]
         )
     return rows
@@ -114,7 +116,7 @@ def plot(records: list[dict], path: str) -> None:
     if budgets:
         ax.step(*zip(*budgets), where="post", color="red", label="budget")
     for r in records:
-        for k, s in enumerate(r.get("switches", [])):
+        for k, s in enumerate(s for s in r.get("switches", []) if "failed" not in s):
             # a length switch runs in its own step; a monitor's retarget takes effect at the next one
             x = r["step"] - 0.5 if "plan_seq_len" in s else r["step"] + 0.5
             ax.axvline(x, color="gray", linewidth=0.8, linestyle=":")
@@ -147,7 +149,9 @@ def run(args) -> None:
     drift = "" if s["median_drift"] is None else f", median drift {s['median_drift'] * 100:+.2f}%"
     print(
         f"{s['steps']} steps, max measured peak {format_bytes(s['max_measured_peak_bytes'])}{drift}, "
-        f"{len(s['switches'])} plan switches, " + (f"over budget at steps {over}" if over else "no step over budget")
+        f"{len(s['switches'])} plan switches, "
+        + (f"{len(s['failed_retargets'])} failed retargets, " if s["failed_retargets"] else "")
+        + (f"over budget at steps {over}" if over else "no step over budget")
     )
     write_json(args.json_path, s)
     if args.plot:
