@@ -14,7 +14,7 @@ from planner.runtime.verify import measure_step
 from planner.tracing.recorder import loss_of
 
 # (builder, batch, seq): shapes where the solver's cheapest plan fills the budget to within 2%
-CASES = [(llama_small, 2, 128), (gpt_small, 4, 64), (resnet_small, 2, 16)]
+CASES = [(llama_small, 2, 128), (gpt_small, 4, 64), (resnet_small, 2, 32)]
 
 
 def _grads(model, inputs):
@@ -106,6 +106,8 @@ def test_budget_forms_and_errors():
     for bad in ("abc", 0, "150%", "0%", True, 1.5):
         with pytest.raises(MemplanError):
             parse_budget(bad, 4000)
+    with pytest.raises(MemplanError, match="bare fraction.*'60%'.*bytes"):
+        parse_budget("0.6", 4000)
 
 
 def test_config_defaults_and_bad_options():
@@ -113,6 +115,7 @@ def test_config_defaults_and_bad_options():
     config = config_for(model, inputs)
     assert (config.batch_size, config.seq_len, config.precision, config.gpu) == (2, 128, "fp32", "cpu")
     assert config_for(model, inputs, optimizer="sgd").optimizer == "sgd"
+    assert config_for(model, inputs, grad_accum_steps=4).grad_accum_steps == 4
     with pytest.raises(MemplanError, match="unknown option"):
         config_for(model, inputs, batch=3)
     with pytest.raises(MemplanError, match="precision"):
@@ -122,4 +125,8 @@ def test_config_defaults_and_bad_options():
     handle = auto_checkpoint(model, inputs, "80%")
     with pytest.raises(MemplanError, match="already has a memplan plan"):
         auto_checkpoint(model, inputs, "80%")
+    with pytest.raises(InfeasibleBudget) as infeasible:  # raised from Python: names arguments, not flags
+        handle.set_budget(handle.model_states_bytes)
+    message = str(infeasible.value)
+    assert "--" not in message and "raise budget" in message and "precision='bf16-mixed'" in message
     handle.remove()

@@ -6,6 +6,8 @@ saved-tensor hooks that move what autograd saves to host memory or disk (offload
 :class:`PlanHandle` restores the model. A :class:`PlanLadder` installs wrappers for every module
 any bucket names; a forward pre-hook on the root picks the bucket from the batch's sequence length
 and each wrapper decides at call time, so a checkpoint's recompute reuses the forward's choice.
+A recompute reads the buffers its forward read and leaves them as the forward left them
+(:class:`ForwardBuffers`): BatchNorm's running statistics are updated once per step, as without a plan.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -45,7 +48,7 @@ from planner.runtime.offload import (
 from planner.tracing.blocks import parse_segment
 from planner.tracing.hf import disable_kv_cache
 
-__all__ = ["ModulePlan", "PlanHandle", "apply_plan", "returns_tensor", "batch_seq_len"]
+__all__ = ["ForwardBuffers", "ModulePlan", "PlanHandle", "apply_plan", "returns_tensor", "batch_seq_len"]
 
 
 @functools.cache
@@ -88,6 +91,88 @@ def selective_context_fn(keep_ops: frozenset[str]) -> Callable[[], tuple[Any, An
 # ---------------------------------------------------------------- offload
 
 
+# ---------------------------------------------------------------- buffers written in forward
+
+BufferSlot = tuple[nn.Module, str]  # (owner, name in owner._buffers)
+
+
+def buffer_slots(modules: Iterable[nn.Module]) -> list[BufferSlot]:
+    """Every buffer slot of `modules` and their submodules, each once."""
+    owners = {id(sub): sub for m in modules for sub in m.modules()}
+    return [(owner, name) for owner in owners.values() for name in owner._buffers]
+
+
+class ForwardBuffers:
+    """The buffers one checkpointed call writes in its forward, in place or by rebinding (BatchNorm's
+    running statistics and batch counter, step counters, caches), and their state before it.
+
+    Made just before the forward, outside the checkpoint (no op lands in a selective policy's
+    count), it copies the slots in `known` (those an earlier call of the module in the same
+    train/eval modes wrote; None: all, and the forward's writes are then also found by value,
+    since BatchNorm's kernel writes its running statistics without bumping their version). After
+    the forward, the written slots are `known` and any whose version or tensor changed. :meth:`wrap`
+    runs each recompute on their pre-forward state and rebinds the forward's results after, so a
+    step leaves every buffer as it would without a plan. A slot first written on a later call (so
+    not copied) replays on its post-forward state, exact for BatchNorm, whose training output uses
+    the batch's statistics; a second recompute of one forward reads what the first left.
+    """
+
+    def __init__(self, slots: list[BufferSlot], known: frozenset[int] | None) -> None:
+        self.slots = slots
+        self._known = known
+        self._before = [owner._buffers[name] for owner, name in slots]
+        self._versions = [None if t is None else t._version for t in self._before]
+        with torch.no_grad():
+            self._copies = {
+                i: t.detach().clone()
+                for i, t in enumerate(self._before)
+                if t is not None and (known is None or i in known)
+            }
+        self._replay_state: dict[int, torch.Tensor | None] = {}
+        self._calls = 0
+
+    def _written_in_place(self, i: int, before: torch.Tensor) -> bool:
+        if before._version != self._versions[i]:
+            return True
+        if self._known is not None:
+            return i in self._known
+        copy = self._copies[i]
+        return not is_fake(copy) and copy.device.type != "meta" and not torch.equal(copy, before)
+
+    def written(self) -> frozenset[int]:
+        """After the forward: the slots it wrote. Keeps their pre-forward state for the recompute
+        and drops the other copies."""
+        for i, ((owner, name), before) in enumerate(zip(self.slots, self._before)):
+            if before is not None and self._written_in_place(i, before):
+                copy = self._copies.get(i)
+                with torch.no_grad():
+                    self._replay_state[i] = before.detach().clone() if copy is None else copy
+            elif owner._buffers.get(name) is not before:
+                self._replay_state[i] = before  # rebound: the old tensor is the pre-forward state
+        self._before, self._copies = [], {}
+        return frozenset(self._replay_state)
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn` for torch.utils.checkpoint: its first call is the forward, later ones recompute."""
+
+        def run(*args: Any) -> Any:
+            self._calls += 1
+            if self._calls == 1 or not self._replay_state:
+                return fn(*args)
+            after = {i: self.slots[i][0]._buffers[self.slots[i][1]] for i in self._replay_state}
+            for i, state in self._replay_state.items():
+                owner, name = self.slots[i]
+                owner._buffers[name] = state
+            try:
+                return fn(*args)
+            finally:  # also when torch stops the recompute early
+                for i, state in after.items():
+                    owner, name = self.slots[i]
+                    owner._buffers[name] = state
+
+        return run
+
+
 # ---------------------------------------------------------------- sequence length
 
 
@@ -125,6 +210,9 @@ class PlanHandle:
         self._stream: Any = None
         self._spill_ids = itertools.count()
         self._segments: dict[str, list[tuple[int, int, str]]] = {}  # flat Sequential -> wrapped segments
+        self._buffer_slots: dict[str, list[BufferSlot]] = {}  # wrapped path -> its buffers
+        # (path, its buffer owners' training flags) -> buffer slots its forwards wrote so far
+        self._written: dict[tuple[str, tuple[bool, ...]], frozenset[int]] = {}
         self._spill_parent = spill_dir
         self.spill_dir: Path | None = None
         if any(mp.target == "disk" for mps in self._by_bucket.values() for mp in mps.values()):
@@ -197,6 +285,8 @@ class PlanHandle:
         self._originals[path or "<root>"] = (seq, seq.__dict__.get("forward"))
         starts = {i: (j, seg) for i, j, seg in spans}
         children = list(seq)
+        for i, j, seg in spans:
+            self._buffer_slots[seg] = buffer_slots(children[i:j])
 
         def run(first: int, last: int) -> Callable[[Any], Any]:
             def body(x: Any) -> Any:
@@ -237,6 +327,7 @@ class PlanHandle:
         own = module.__dict__.get("forward")
         original = module.forward
         self._originals[path] = (module, own)
+        self._buffer_slots[path] = buffer_slots([module])
 
         @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -267,15 +358,34 @@ class PlanHandle:
         if mp is None or mp.action == "keep":
             return original(*args, **kwargs)
         if mp.action == "recompute":
-            return self._recompute(original, mp, args, kwargs)
+            return self._recompute(path, original, mp, args, kwargs)
         return self._offload(original, mp, args, kwargs)
 
-    @staticmethod
-    def _recompute(original: Callable[..., Any], mp: ModulePlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _recompute(
+        self, path: str, original: Callable[..., Any], mp: ModulePlan, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Whole-module, selective (keeping `mp.keep_ops`) or child recompute: one checkpoint, whose
+        recompute leaves the module's buffers as its forward did (ForwardBuffers)."""
         fn = functools.partial(original, **kwargs) if kwargs else original
+        options: dict[str, Any] = {"use_reentrant": False}
         if mp.keep_ops:
-            return checkpoint(fn, *args, use_reentrant=False, context_fn=selective_context_fn(mp.keep_ops))
-        return checkpoint(fn, *args, use_reentrant=False)
+            options["context_fn"] = selective_context_fn(mp.keep_ops)
+        slots = self._buffer_slots[path]
+        if not slots or not torch.is_grad_enabled():  # nothing to restore, or no backward to recompute for
+            return checkpoint(fn, *args, **options)
+        key = (path, tuple(owner.training for owner, _ in slots))  # BatchNorm writes in training only
+        buffers = ForwardBuffers(slots, self._written.get(key))
+        out = checkpoint(buffers.wrap(fn), *args, **options)
+        self._written[key] = self._written.get(key, frozenset()) | buffers.written()
+        return out
+
+    def written_buffers(self, path: str) -> tuple[str, ...]:
+        """Names (as the model's named_buffers() gives them) of the buffers that the recomputed
+        forwards of `path` wrote so far; its recomputes left them as the forwards did."""
+        names = {id(m): name for name, m in self.model.named_modules(remove_duplicate=False)}
+        slots = self._buffer_slots.get(path, [])
+        written = sorted(set().union(*(ids for (p, _), ids in self._written.items() if p == path)))
+        return tuple(f"{names[id(slots[i][0])]}.{slots[i][1]}".lstrip(".") for i in written)
 
     def _offload(
         self, original: Callable[..., Any], mp: ModulePlan, args: tuple[Any, ...], kwargs: dict[str, Any]

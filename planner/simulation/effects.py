@@ -315,6 +315,11 @@ def choice_effect(
         transfer = Transfer(span.fwd_end, sum(sizes[tid] for tid in dropped), choice.target)
         return ChoiceEffect(moved, tuple(events), 0, 0.0, transfer)
     events += _replay(graph, span, choice.keep_ops, dropped, popped, sizes)
+    for tid in graph.buffers_written(span.path).values():  # the pre-forward copies its replay runs on
+        events += [
+            Event(span.fwd_start, ALLOC, tid, sizes[tid], "buffer"),
+            Event(span.bwd_end, FREE, tid, -sizes[tid], "buffer"),
+        ]
     redo = recompute_ops(graph, span, choice.keep_ops, dropped)
     flops = sum(graph.ops[i].flops for i in redo)
     seconds = float(times[redo].sum()) if redo else 0.0

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed._tools.mod_tracker import ModTracker
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -19,7 +21,7 @@ from costmodels.flops import op_bytes_accessed, op_flops
 from planner.errors import TraceError
 from planner.tracing.graph import OpNode
 
-__all__ = ["OpRecorder", "as_int"]
+__all__ = ["OpRecorder", "as_int", "local_tensor"]
 
 
 def as_int(value: Any, what: str) -> int:
@@ -27,6 +29,11 @@ def as_int(value: Any, what: str) -> int:
         return int(value)
     except Exception as exc:  # a data-dependent (unbacked) size cannot become an int
         raise TraceError(f"{what} has a data-dependent size ({value}); memplan needs static shapes") from exc
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard, else the tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 # ATen's mse_loss / smooth_l1_loss / huber_loss compute the unreduced loss and reduce it into the
@@ -44,6 +51,40 @@ def _kernel_storage_bytes(func, args, out: torch.Tensor, nbytes: int) -> int:
             numel *= as_int(d, "a loss input")
         return max(nbytes, numel * out.element_size())
     return nbytes
+
+
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+
+
+class _HiddenPropagation:
+    """While entered, DTensor's sharding propagation (which runs each op once more on global-shape
+    fake tensors to learn the output's metadata, the first time it sees an op schema) is marked, so
+    the recorder skips those ops: they are not part of what the rank computes. Re-entrant."""
+
+    depth = 0  # recorders entered
+    running = 0  # propagations in progress
+    _original = None
+
+    @classmethod
+    def enter(cls) -> None:
+        if cls.depth == 0:
+            cls._original = original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+            def propagate(self, op_schema):
+                cls.running += 1
+                try:
+                    return original(self, op_schema)
+                finally:
+                    cls.running -= 1
+
+            ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+        cls.depth += 1
+
+    @classmethod
+    def exit(cls) -> None:
+        cls.depth -= 1
+        if cls.depth == 0:
+            ShardingPropagator._propagate_tensor_meta_non_cached = cls._original
 
 
 @functools.cache
@@ -99,6 +140,14 @@ class OpRecorder(TorchDispatchMode):
         self.recording = True
         self.current = ("", "")
 
+    def __enter__(self):
+        _HiddenPropagation.enter()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _HiddenPropagation.exit()
+        return super().__exit__(*exc)
+
     # -- storages -----------------------------------------------------------------------
     def _on_free(self, key: int, tid: int) -> None:
         self._live.pop(key, None)
@@ -106,7 +155,9 @@ class OpRecorder(TorchDispatchMode):
             self.frees[tid] = len(self.ops)
 
     def tid_of(self, t: torch.Tensor, alloc_op: int, func=None, args=()) -> tuple[int, bool]:
-        """The storage id of `t`, registering it as new (allocated at `alloc_op`) if unseen."""
+        """The storage id of `t` (a DTensor's local shard), registering it as new (allocated at
+        `alloc_op`) if unseen."""
+        t = local_tensor(t)
         st = t.untyped_storage()
         key = id(st)
         tid = self._live.get(key)
@@ -146,10 +197,15 @@ class OpRecorder(TorchDispatchMode):
 
     # -- dispatch -----------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if DTensor in types:  # let DTensor desugar into the local ops this rank runs, then record those
+            return NotImplemented
+        if _HiddenPropagation.running:
+            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         module = self.module_path()
         self.current = (str(func), module)
-        out = func(*args, **kwargs)
+        # wait_tensor returns its input in eager; the fake kernel would make a second buffer.
+        out = args[0] if func is _WAIT_TENSOR else func(*args, **kwargs)
         out_tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if not out_tensors:  # metadata queries (prim.device, sym_size, ...) allocate nothing
             return out

@@ -159,6 +159,14 @@ class OpGraph:
             self._uncacheable = frozenset(out)
         return self._uncacheable
 
+    def buffers_written(self, path: str) -> dict[str, int]:
+        """Buffer name (as named_buffers() gives it) -> storage, for the buffers that forward ops
+        inside module `path` write in place, such as BatchNorm's running statistics. A recompute of
+        `path` runs on copies of their pre-forward state, held from its forward to its backward
+        (planner.runtime.apply.ForwardBuffers)."""
+        inside = set(self.ops_in_module(path))
+        return {name: tid for i, tid, name in self.meta.get("buffer_writes", ()) if i in inside}
+
     def ops_in_module(self, path: str) -> list[int]:
         """Indices of ops run inside a module (or its submodules), in order (indexed once)."""
         if self._by_module is None:

@@ -29,7 +29,7 @@ from planner.tracing.blocks import (
     module_signature,
     segment_children,
 )
-from planner.tracing.dispatch import OpRecorder, as_int
+from planner.tracing.dispatch import OpRecorder, as_int, local_tensor
 from planner.tracing.fake_build import fake_model
 from planner.tracing.fingerprint import model_fingerprint
 from planner.tracing.graph import OpGraph, OpNode, Region, TensorInfo
@@ -183,7 +183,7 @@ def trace_model(
     param_dtype = str(params[0].dtype).replace("torch.", "") if params else "float32"
 
     def param_bytes_of(m: nn.Module) -> int:
-        return sum(as_int(p.untyped_storage().nbytes(), "a parameter") for p in m.parameters())
+        return sum(as_int(local_tensor(p).untyped_storage().nbytes(), "a parameter") for p in m.parameters())
 
     # Pass 2 first: natural lifetimes of forward storages when nothing is saved.
     natural_free_by_key: dict[tuple[int, int], int] = {}
@@ -195,6 +195,7 @@ def trace_model(
 
     rec = OpRecorder(model, with_costs=True)
     categories = _register_preexisting(rec, model, inputs)
+    buffer_names = {rec.tid_of(b, -1)[0]: name for name, b in model.named_buffers()}
     packs: list[tuple[int, str, int]] = []  # (ops dispatched so far, module, storage) per save
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -249,7 +250,7 @@ def trace_model(
         regions=[],
         backward_start=backward_start,
         pack_events=tuple((n, module) for n, module, _ in packs),
-        param_shapes=[tuple(as_int(d, "a parameter") for d in p.shape) for p in params],
+        param_shapes=[tuple(as_int(d, "a parameter") for d in local_tensor(p).shape) for p in params],
         param_dtype=param_dtype,
         meta={
             "model": name,
@@ -257,6 +258,7 @@ def trace_model(
             "fingerprint": model_fingerprint(model),
             "natural_lifetimes": lifetimes,
             "num_modules": sum(1 for _ in model.modules()),
+            "buffer_writes": _buffer_writes(ops[:backward_start], buffer_names),
         },
     )
     graph.regions = _regions(model, graph, param_bytes_of, blocks)
@@ -310,6 +312,22 @@ def _alloc_keys(rec: OpRecorder) -> dict[int, tuple[int, int]]:
 def _free_by_alloc_key(rec: OpRecorder) -> dict[tuple[int, int], int]:
     keys = _alloc_keys(rec)
     return {keys[tid]: free for tid, free in rec.frees.items() if tid in keys}
+
+
+# Ops that write inputs their schema does not mark `Tensor(a!)`: BatchNorm's running statistics.
+_UNDECLARED_WRITES = frozenset(
+    ("aten.native_batch_norm.default", "aten.cudnn_batch_norm.default", "aten.miopen_batch_norm.default")
+)
+
+
+def _buffer_writes(forward: list[OpNode], buffer_names: dict[int, str]) -> list[tuple[int, int, str]]:
+    """(op index, storage, buffer name) for each buffer a forward op writes in place (for
+    :meth:`OpGraph.buffers_written`). A batch-norm kernel writes the buffers it reads."""
+    out = []
+    for op in forward:
+        written = op.inputs if op.name in _UNDECLARED_WRITES else op.mutates
+        out += [(op.index, t, buffer_names[t]) for t in dict.fromkeys(written) if t in buffer_names]
+    return out
 
 
 def _drop_parameter_saves(tensors: dict[int, TensorInfo]) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch._subclasses import FakeTensor, FakeTensorMode
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
@@ -115,6 +116,8 @@ class ShadowMode(TorchDispatchMode):
             return func(*args, **kwargs)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if DTensor in types:  # shadow the local ops a DTensor op desugars into
+            return NotImplemented
         kwargs = kwargs or {}
         if not _special(func) and any(  # the common case: an op on model data, nothing to shadow
             isinstance(t, FakeTensor) and t not in self.shadows for t in _tensors(args, kwargs)
