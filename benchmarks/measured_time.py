@@ -103,8 +103,9 @@ def llama_toy(batch_size: int, seq_len: int):
 
 
 def resnet_toy(batch_size: int, seq_len: int):
-    """--quick: ResNet shaped, 2 stages of 1 block, 8-16 channels."""
-    return ConvNet(ConvNetConfig(channels=(8, 16), blocks=(1, 1), num_classes=10)), _images(batch_size, seq_len)
+    """--quick: ResNet shaped, 2 stages of 1 block, 16-32 channels (16 or more at every strided 1x1
+    convolution: docs/safety.md)."""
+    return ConvNet(ConvNetConfig(channels=(16, 32), blocks=(1, 1), num_classes=10)), _images(batch_size, seq_len)
 
 
 def _images(batch_size: int, side: int):

@@ -234,6 +234,10 @@ def _eager_scratch_bytes(build, config: TrainConfig) -> int:
     return scratch
 
 
+def _as_double(inputs: tuple) -> tuple:
+    return tuple(x.double() if x.is_floating_point() else x for x in inputs)
+
+
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler")
 @pytest.mark.parametrize("build", [gpt_small, llama_small, resnet_small])
 def test_compiled_plan_applies_and_its_peak_is_predicted(build, tmp_path):
@@ -251,11 +255,14 @@ def test_compiled_plan_applies_and_its_peak_is_predicted(build, tmp_path):
     torch.manual_seed(0)
     model, inputs = build(batch, seq)
     reference = copy.deepcopy(model)
+    exact = copy.deepcopy(model).double()
     handle = apply_plan(model, tmp_path / "compiled.json")
-    for m in (model, reference):
-        m(*inputs).backward()
-    for p, q in zip(model.parameters(), reference.parameters()):
-        assert torch.allclose(p.grad, q.grad, rtol=1e-3, atol=1e-5)
+    for m, args in ((model, inputs), (reference, inputs), (exact, _as_double(inputs))):
+        m(*args).backward()
+    for p, q, r in zip(model.parameters(), reference.parameters(), exact.parameters()):
+        # as accurate as eager fp32, against a float64 step (BatchNorm amplifies reordered sums)
+        compiled_error, eager_error = (torch.linalg.norm(g.grad.double() - r.grad) for g in (p, q))
+        assert compiled_error <= max(2 * eager_error, 1e-6 * torch.linalg.norm(r.grad)), (compiled_error, eager_error)
     measured = measure_compiled_step(model, inputs, config)
     error = (plan.predicted.peak_bytes + scratch - measured.peak_bytes) / measured.peak_bytes
     # exact where blocks recompute part of their split; a block at budget 0 recomputes its

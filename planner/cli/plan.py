@@ -47,6 +47,9 @@ def register(add) -> None:
     p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="solver time limit in seconds")
     p.add_argument("--out", required=True, help="plan file to write (JSON)")
     p.add_argument(
+        "--plot", metavar="PNG", help="write the step's memory without and with the plan on one plot (one --seq-len)"
+    )
+    p.add_argument(
         "--compile",
         action="store_true",
         help="plan for torch.compile: activation_memory_budget per block or for the whole model (writes a compiled plan)",
@@ -119,6 +122,8 @@ def run(args) -> None:
         from planner.plans.format import PlanLadder
     if args.compile:
         return run_compiled(args, config_from_args(args).with_(compile=True), budget)
+    if args.plot and len(args.seq_len) > 1:
+        raise ValueError("--plot draws one plan; give one --seq-len")
     solved = {s: _plan_one(args, config_from_args(args, s), budget) for s in args.seq_len}
     plans = [(s, plan) for s, (plan, _) in solved.items()]
     if len(plans) == 1:
@@ -127,5 +132,21 @@ def run(args) -> None:
         plan = PlanLadder(buckets=tuple(plans))
     plan.save(args.out)
     print(f"wrote {args.out}")
+    if args.plot:
+        _plot_with_and_without(args, plan)
     strategies = {str(s): [r.to_dict() for r in rows] for s, (_, rows) in solved.items()}
     write_json(args.json_path, {"plan": plan.to_dict(), "strategies": strategies})  # and the table printed above
+
+
+def _plot_with_and_without(args, plan) -> None:
+    """The no-plan and the planned step's total memory over the step, with the budget line."""
+    from planner.api import simulate_model
+
+    config = config_from_args(args)
+    curves = {
+        "no plan": simulate_model(args.model, config).to_dict(),
+        "with the plan": simulate_model(args.model, config, plan).to_dict(),
+    }
+    title = f"{args.model} batch {config.batch_size} seq {config.seq_len} {config.precision} on {config.gpu}"
+    report.plot_curves(curves, args.plot, plan.budget_bytes, get_device(args.gpu).memory_bytes, title)
+    print(f"wrote {args.plot}")

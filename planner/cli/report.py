@@ -17,7 +17,7 @@ from planner.units import format_bytes, format_count
 if TYPE_CHECKING:
     from planner.analysis.configurations import ConfigurationReport
 
-__all__ = ["configurations_table", "plot_sweep", "plot_timeline", "table", "timeline_table"]
+__all__ = ["configurations_table", "plot_curves", "plot_sweep", "plot_timeline", "table", "timeline_table"]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -170,6 +170,32 @@ def plot_timeline(result: dict, path: str, capacity_bytes: int | None = None) ->
     ax.set_xlabel("step progress (samples, in execution order)")
     ax.set_ylabel(unit)
     ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    _save_png(fig, path)
+    plt.close(fig)
+
+
+def plot_curves(curves: dict[str, dict], path: str, budget_bytes: int, capacity_bytes: int | None, title: str) -> None:
+    """Total memory of several simulated steps (Timeline.to_dict() results) over step progress
+    (0 to 1, since a plan's replays add samples), with the budget and capacity lines, as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    largest = max(r["peak_bytes"] for r in curves.values())
+    unit, size = _plot_unit(largest)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for label, result in curves.items():
+        rows = result["timeline"]
+        x = [k / max(1, len(rows) - 1) for k in range(len(rows))]
+        ax.plot(x, [r["total_bytes"] / size for r in rows], label=f"{label}: peak {format_bytes(result['peak_bytes'])}")
+    ax.axhline(budget_bytes / size, color="green", linestyle=":", label=f"budget {format_bytes(budget_bytes)}")
+    note = _capacity_line(ax, capacity_bytes, largest, size)
+    ax.set_xlabel("step progress (forward, loss, backward, optimizer)")
+    ax.set_ylabel(unit)
+    ax.set_title(title + note, fontsize=10)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     _save_png(fig, path)
     plt.close(fig)

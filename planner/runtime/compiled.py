@@ -18,7 +18,9 @@ Inductor's layout optimization is off for blocks: it re-lays each block's convol
 weights out as channels-last copies and saves those copies for the backward, and such blocks ran
 slower. It stays on (torch's default) for the whole model (path WHOLE_MODEL): there the input is
 re-laid once, and without it the convolutions held 45 MB more on the benchmark ResNet than inductor
-estimated (the kernel library's own copies).
+estimated (the kernel library's own copies). It is off for a whole model too where oneDNN would
+compute a convolution's weight gradient wrongly in channels-last (`onednn_faulty_convs`,
+docs/safety.md).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ __all__ = [
     "compile_blocks",
     "inductor_options",
     "measure_compiled_step",
+    "onednn_faulty_convs",
     "profiled_peak_bytes",
     "profiled_step",
 ]
@@ -54,9 +57,34 @@ __all__ = [
 WHOLE_MODEL = ""  # the module path of a plan that compiles the whole model (and its loss) at one budget
 
 
-def inductor_options(path: str) -> dict[str, Any]:
-    """Inductor's config while the module at `path` compiles (and while memplan estimates its peak)."""
-    return {} if path == WHOLE_MODEL else {"layout_optimization": False}
+ONEDNN_CHANNEL_BLOCK = 16  # oneDNN's AVX-512 channel block (AVX2's is 8): fewer input channels are unsafe
+
+
+def onednn_faulty_convs(module: nn.Module) -> list[str]:
+    """Paths of the convolutions in `module` whose weight gradient oneDNN gets wrong in channels-last:
+    1x1, strided, fewer than ONEDNN_CHANNEL_BLOCK input channels (per group), on CPU with oneDNN on.
+    Its 1x1 weight-gradient kernels (`jit_avx512_common_1x1_convolution_bwd_weights`, AVX2's too)
+    write past their workspace there: a crash, or wrong gradients without a word
+    (https://github.com/uxlfoundation/oneDNN/issues/6035, open). Empty where oneDNN is off."""
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return []
+    return [
+        path
+        for path, m in module.named_modules()
+        if isinstance(m, nn.Conv2d)
+        and m.kernel_size == (1, 1)
+        and m.stride != (1, 1)
+        and m.in_channels // m.groups < ONEDNN_CHANNEL_BLOCK
+        and m.weight.device.type == "cpu"
+    ]
+
+
+def inductor_options(path: str, module: nn.Module) -> dict[str, Any]:
+    """Inductor's config while `module`, at `path`, compiles (and while memplan estimates its peak):
+    layout optimization off for blocks and for a whole model with `onednn_faulty_convs`."""
+    if path != WHOLE_MODEL or onednn_faulty_convs(module):
+        return {"layout_optimization": False}
+    return {}
 
 
 def _trampoline(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -79,7 +107,7 @@ class CompiledBlocks:
         self._restore_use_cache = restore_use_cache  # HF configs whose use_cache was on
 
     def install(self, module: nn.Module, path: str, budget: float, compiled: Callable[..., Any]) -> None:
-        original, options = module.forward, inductor_options(path)
+        original, options = module.forward, inductor_options(path, module)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             with (

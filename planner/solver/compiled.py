@@ -232,7 +232,7 @@ def plan_compiled(
                             kwargs,
                             device,
                             budgets,
-                            inductor_options(region.path),
+                            inductor_options(region.path, model.get_submodule(region.path)),
                         )
                     except Exception as exc:  # AOTAutograd and the partitioner raise many kinds
                         raise _split_error(f"block '{region.path}'", exc) from None
@@ -240,7 +240,7 @@ def plan_compiled(
             args, kwargs = ((), dict(inputs)) if isinstance(inputs, dict) else (tuple(inputs), {})
             try:
                 frontiers[WHOLE_MODEL] = block_frontier(
-                    _WithLoss(model), args, kwargs, device, budgets, inductor_options(WHOLE_MODEL)
+                    _WithLoss(model), args, kwargs, device, budgets, inductor_options(WHOLE_MODEL, model)
                 )
             except Exception as exc:
                 if scope == "model":
