@@ -54,9 +54,9 @@ from planner.plans.format import Plan
 from planner.runtime.apply import apply_plan
 from planner.runtime.compiled import budget_trampoline, compile_blocks, profiled_step
 from planner.runtime.verify import make_optimizer, measure_step
+from planner.simulation.partitioner import BUDGETS
 from planner.simulation.step import simulate
 from planner.solver.compiled import plan_compiled
-from planner.solver.partitioner import BUDGETS
 from planner.solver.planning import solve
 from planner.tracing.models import GPT, ConvNet, ConvNetConfig, GPTConfig, Llama, LlamaConfig
 from planner.tracing.recorder import loss_of, run_step_inputs, trace

@@ -27,9 +27,9 @@ from planner.runtime.apply import apply_plan
 from planner.runtime.compiled import compile_blocks, measure_compiled_step, profiled_peak_bytes, profiled_step
 from planner.runtime.tracker import LiveBytesTracker
 from planner.runtime.verify import measure_step, run_training_step, warmed_up
+from planner.simulation.partitioner import block_call, block_frontier
 from planner.simulation.step import simulate
 from planner.solver.compiled import Window, choose_budgets, plan_compiled
-from planner.solver.partitioner import block_call, block_frontier
 from planner.solver.planning import solve
 from planner.tracing.models import MLPBlock
 

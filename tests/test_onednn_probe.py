@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from planner.runtime.compiled import WHOLE_MODEL, inductor_options, onednn_faulty_convs
+from planner.tracing.inductor_layout import WHOLE_MODEL, inductor_options, onednn_faulty_convs
 from planner.tracing.models import ConvNet, ConvNetConfig
 
 # the repro, its weight gradient against float64 contiguous: prints the relative error

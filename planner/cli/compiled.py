@@ -6,7 +6,8 @@ from collections import Counter
 
 from planner.cli import report
 from planner.config import TrainConfig
-from planner.solver.compiled import WHOLE_MODEL, plan_compiled
+from planner.solver.compiled import plan_compiled
+from planner.tracing.inductor_layout import WHOLE_MODEL
 from planner.units import format_bytes
 
 __all__ = ["run_compiled"]

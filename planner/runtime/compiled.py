@@ -14,13 +14,8 @@ code object, and Dynamo's automatic dynamic shapes would otherwise recompile the
 sizes, whose kernels ran 25% slower here. Each block shape is then one cache entry, so the recompile
 limit is raised to the number of blocks while they run.
 
-Inductor's layout optimization is off for blocks: it re-lays each block's convolution inputs and
-weights out as channels-last copies and saves those copies for the backward, and such blocks ran
-slower. It stays on (torch's default) for the whole model (path WHOLE_MODEL): there the input is
-re-laid once, and without it the convolutions held 45 MB more on the benchmark ResNet than inductor
-estimated (the kernel library's own copies). It is off for a whole model too where oneDNN would
-compute a convolution's weight gradient wrongly in channels-last (`onednn_faulty_convs`,
-docs/safety.md).
+Inductor's layout per module (blocks contiguous, a whole model as torch lays it out unless oneDNN
+would get a gradient wrong) is planner.tracing.inductor_layout's rule, shared with the planner.
 """
 
 from __future__ import annotations
@@ -41,50 +36,16 @@ from planner.config import TrainConfig
 from planner.runtime.tracker import LiveBytesTracker
 from planner.runtime.verify import Measurement, run_training_step, track_step_start, warmed_up
 from planner.tracing.hf import disable_kv_cache
+from planner.tracing.inductor_layout import inductor_options
 
 __all__ = [
     "CompiledBlocks",
-    "WHOLE_MODEL",
     "budget_trampoline",
     "compile_blocks",
-    "inductor_options",
     "measure_compiled_step",
-    "onednn_faulty_convs",
     "profiled_peak_bytes",
     "profiled_step",
 ]
-
-WHOLE_MODEL = ""  # the module path of a plan that compiles the whole model (and its loss) at one budget
-
-
-ONEDNN_CHANNEL_BLOCK = 16  # oneDNN's AVX-512 channel block (AVX2's is 8): fewer input channels are unsafe
-
-
-def onednn_faulty_convs(module: nn.Module) -> list[str]:
-    """Paths of the convolutions in `module` whose weight gradient oneDNN gets wrong in channels-last:
-    1x1, strided, fewer than ONEDNN_CHANNEL_BLOCK input channels (per group), on CPU with oneDNN on.
-    Its 1x1 weight-gradient kernels (`jit_avx512_common_1x1_convolution_bwd_weights`, AVX2's too)
-    write past their workspace there: a crash, or wrong gradients without a word
-    (https://github.com/uxlfoundation/oneDNN/issues/6035, open). Empty where oneDNN is off."""
-    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
-        return []
-    return [
-        path
-        for path, m in module.named_modules()
-        if isinstance(m, nn.Conv2d)
-        and m.kernel_size == (1, 1)
-        and m.stride != (1, 1)
-        and m.in_channels // m.groups < ONEDNN_CHANNEL_BLOCK
-        and m.weight.device.type == "cpu"
-    ]
-
-
-def inductor_options(path: str, module: nn.Module) -> dict[str, Any]:
-    """Inductor's config while `module`, at `path`, compiles (and while memplan estimates its peak):
-    layout optimization off for blocks and for a whole model with `onednn_faulty_convs`."""
-    if path != WHOLE_MODEL or onednn_faulty_convs(module):
-        return {"layout_optimization": False}
-    return {}
 
 
 def _trampoline(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

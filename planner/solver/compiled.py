@@ -1,5 +1,5 @@
 """Plans for compiled training: a choice of `activation_memory_budget` per block (or for the whole
-model) under a global peak budget, from the partitioner's splits (planner.solver.partitioner).
+model) under a global peak budget, from the partitioner's splits (planner.simulation.partitioner).
 
 CompiledSkeleton simulates the compiled step around the chosen splits; CP-SAT picks one split per
 block (a multiple-choice knapsack with one constraint per stretch of the step): the least recompute
@@ -24,16 +24,16 @@ from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget, SolverTimeout, SpecError, TraceError
 from planner.plans.format import CompiledPlan, CompiledPoint, CompiledPrediction
 from planner.runtime.auto import parse_budget
-from planner.runtime.compiled import WHOLE_MODEL, inductor_options
 from planner.safe_io import clean
 from planner.signals import interruptible
 from planner.simulation.costs import op_times, storage_bytes
 from planner.simulation.effects import ModuleSpan, SpanChoice, dropped_tensors, module_span
+from planner.simulation.partitioner import BUDGETS, block_call, block_frontier, fused_pass_s
 from planner.simulation.step import simulate
-from planner.solver.partitioner import BUDGETS, block_call, block_frontier, fused_pass_s
 from planner.solver.planning import graph_model_info
 from planner.tracing.graph import OpGraph
 from planner.tracing.hf import disable_kv_cache, skip_init
+from planner.tracing.inductor_layout import WHOLE_MODEL, inductor_options
 from planner.tracing.op_classes import EXTERN_KERNEL_OPS
 from planner.tracing.recorder import loss_of, trace_for
 from planner.tracing.specs import resolve_spec
@@ -43,7 +43,6 @@ __all__ = [
     "choose_budgets",
     "CompiledSkeleton",
     "SCOPES",
-    "WHOLE_MODEL",
     "Window",
     "plan_compiled",
 ]

@@ -287,7 +287,7 @@ def block_frontier(
 ) -> list[CompiledPoint]:
     """The partitioner's split of one block at each budget (fake tensors in, nothing allocated),
     without points that hold as much as a cheaper one. `options`: inductor's config as the block
-    will compile (`planner.runtime.compiled.inductor_options`)."""
+    will compile (`planner.tracing.inductor_layout.inductor_options`)."""
     options = {} if options is None else options
     base = _split(block, args, kwargs, 1.0, options)
     base_nodes = Counter(_key(n) for n in _compute_nodes(base.backward))
