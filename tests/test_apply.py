@@ -293,6 +293,7 @@ def test_returns_tensor() -> None:
 # ---------------------------------------------------------------- memory
 
 
+@pytest.mark.slow
 def test_recompute_and_disk_offload_lower_the_measured_peak() -> None:
     # llama-7b-tiny at 2 x 32 peaks in the AdamW step, where no activation is alive; gpt2-tiny does not
     spec = "gpt2-tiny"

@@ -50,6 +50,7 @@ def test_budget_60_percent_is_met_with_same_grads_and_lower_budget_holds(build, 
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 
+@pytest.mark.slow
 def test_set_budget_waits_for_the_next_forward():
     torch.manual_seed(0)
     reference, inputs = llama_small(2, 64)
@@ -69,6 +70,7 @@ def test_set_budget_waits_for_the_next_forward():
     handle.remove()
 
 
+@pytest.mark.slow
 def test_follows_sequence_length_and_caches_longer_ones():
     torch.manual_seed(0)
     model, inputs = llama_small(2, 32)

@@ -2,10 +2,13 @@
 
 import json
 
+import pytest
+
 from benchmarks.__main__ import main
 from planner.solver.planning import BASELINES
 
 
+@pytest.mark.bench
 def test_benchmarks_quick_subset(tmp_path):
     rc = main(["--quick", "--out", str(tmp_path), "--only", "accuracy,quality,solver", "--models", "mlp,llama-L2"])
     results = json.loads((tmp_path / "results.json").read_text())
@@ -33,6 +36,7 @@ def test_benchmarks_quick_subset(tmp_path):
     assert s["model"] == "llama-L2" and s["num_variables"] > 0 and s["status"] in ("OPTIMAL", "FEASIBLE")
 
 
+@pytest.mark.bench
 def test_measured_time_quick(tmp_path):
     rc = main(["--measured-time", "--quick", "--out", str(tmp_path), "--models", "gpt"])
     results = json.loads((tmp_path / "results.json").read_text())

@@ -101,6 +101,7 @@ def _grads(model: nn.Module, inputs) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(groups=groups_strategy, fraction=st.floats(0.0, 1.0))
 def test_blocks_are_found_and_a_feasible_plan_applies(groups, fraction):

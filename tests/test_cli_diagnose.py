@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from cli_helpers import assert_user_error, run
 
 SNAPSHOTS = "tests/data/snapshots"
@@ -14,6 +15,7 @@ OOM = (
 )
 
 
+@pytest.mark.slow
 def test_diagnose_model_prints_verdict_and_remedies(tmp_path, capsys):
     p = tmp_path / "d.json"
     # gpt2-tiny with 32768 x 128 tokens overflows an A100 40GB in activations only (cheap to trace).
@@ -109,6 +111,7 @@ def test_fit_prints_gpu_counts_and_json(tmp_path, capsys):
     assert {c["micro_batch"] for c in d["configurations"]["configurations"]} == {32768, 16384, 8192}
 
 
+@pytest.mark.slow
 def test_fit_largest_on_n_gpus(tmp_path, capsys):
     p = tmp_path / "l.json"
     code, out, err = run(

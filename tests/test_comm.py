@@ -50,6 +50,7 @@ def test_step_time_between_compute_and_everything_serialised(raw, head_f, head_b
     assert max(s.compute_s, s.communication_s) - 1e-9 <= step <= s.compute_s + s.communication_s + 1e-9
 
 
+@pytest.mark.slow
 def test_traced_llama_communication_grows_with_world_size_across_nodes():
     config = TrainConfig(batch_size=1, seq_len=4096, precision="bf16-mixed", zero_stage=3, dp=8, gpu="h100-80gb")
     graph = trace("llama-7b", batch_size=1, seq_len=4096, precision="bf16-mixed", gathered_params=True)

@@ -24,6 +24,7 @@ def tiny():
     return calibrate(QUICK, device="cpu")
 
 
+@pytest.mark.slow
 def test_calibration_measures_positive_rates(tiny):
     m = tiny.measured()
     assert set(m) == {

@@ -27,6 +27,7 @@ def oom_iteration() -> Diagnosis:
     return diagnose("gpt2", TrainConfig(batch_size=40, seq_len=1024, gpu="a100-40gb"), time_limit_s=5.0)
 
 
+@pytest.mark.slow
 def test_oom_init_when_model_states_exceed_the_device() -> None:
     d = diagnose("llama-7b", TrainConfig(batch_size=1, seq_len=128, gpu="a100-40gb"))
     assert d.verdict == "oom-init"
@@ -40,6 +41,7 @@ def test_oom_init_when_model_states_exceed_the_device() -> None:
     assert d.remedies[0] is zero  # the only remedy that fits ranks first
 
 
+@pytest.mark.slow
 def test_oom_iteration_names_the_peak_and_the_longest_fitting_sequence(oom_iteration: Diagnosis) -> None:
     d = oom_iteration
     assert d.verdict == "oom-iteration"
@@ -87,6 +89,7 @@ def test_fits_on_a_large_device() -> None:
     assert d.headroom_bytes >= d.expected_overhead_bytes
 
 
+@pytest.mark.slow
 def test_at_risk_when_headroom_is_below_the_allocator_overhead() -> None:
     # gpt2 fp32, batch 34 on a100-40gb: the peak crosses the capacity just below seq 1024; the first
     # length that fits (steps of 16 tokens ~ 0.4% of the device) leaves less than 2% headroom.

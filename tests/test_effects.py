@@ -161,6 +161,7 @@ def _check(case: int, choices: list[SpanChoice]) -> None:
     assert timeline.costs.exposed_offload_s == pytest.approx(loads + stall, rel=1e-9, abs=1e-15)
 
 
+@pytest.mark.slow
 @settings(
     max_examples=2000,
     derandomize=True,

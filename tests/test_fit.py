@@ -22,6 +22,7 @@ def llama7b() -> tuple[FitResult, object]:
     return result, trace_for("llama-7b", CONFIG.with_(zero_stage=3))
 
 
+@pytest.mark.slow
 def test_plan_needs_no_more_gpus_than_no_plan(llama7b) -> None:
     result, _ = llama7b
     d = result.to_dict()
@@ -33,6 +34,7 @@ def test_plan_needs_no_more_gpus_than_no_plan(llama7b) -> None:
     assert d["config"]["zero_stage"] == 3
 
 
+@pytest.mark.slow
 def test_reported_counts_are_the_smallest(llama7b) -> None:
     result, graph = llama7b
 
@@ -62,6 +64,7 @@ def test_small_model_fits_on_one_gpu() -> None:
     assert (r.min_gpus_without_plan, r.min_gpus_with_plan) == (1, 1)
 
 
+@pytest.mark.slow
 def test_largest_fitting_batch_and_sequence() -> None:
     r = largest_fitting("gpt2", TrainConfig(batch_size=1, seq_len=1024, gpu="l40s"), 2, time_limit_s=5.0)
     batch = r["largest_batch_size"]

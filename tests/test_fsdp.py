@@ -68,6 +68,7 @@ def runs(tmp_path_factory):
     return {key: {**expected[key], **measured[key]} for key in expected}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("key", [c[0] for c in PEAK_CASES])
 def test_per_rank_peak_matches_prediction(runs, key):
     if key.endswith("bf16") and not torch.backends.mkldnn.is_available():
@@ -78,6 +79,7 @@ def test_per_rank_peak_matches_prediction(runs, key):
         assert abs(error) <= 0.01, f"{key} rank {rank}: predicted {r['predicted']}, measured {peak} ({error:+.2%})"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("key", [c[0] for c in PLAN_CASES])
 def test_plan_applied_before_sharding_holds_its_budget(runs, key):
     r = runs[key]

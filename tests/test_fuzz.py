@@ -29,6 +29,9 @@ from planner.plans.format import load_plan
 CPU_S = 2.0
 RSS_BYTES = 256 * 2**20
 GOLDEN = Path(__file__).parent / "golden"
+pytestmark = (
+    pytest.mark.slow
+)  # about a minute of hypothesis cases; test_safe_io and test_unpickler cover the readers fast
 FUZZ = settings(derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
 

@@ -70,6 +70,7 @@ def assert_same_grads(spec: str, config: TrainConfig, plan: Plan) -> None:
 # ---------------------------------------------------------------- the 60% budget on three models
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_sixty_percent_plan_fits_and_keeps_gradients(name):
     spec, config = CONFIGS[name]

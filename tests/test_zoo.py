@@ -23,6 +23,7 @@ from planner.tracing.specs import resolve_spec  # noqa: E402
 from tests.cli_helpers import assert_user_error, run  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "batch_size", "seq_len", "tolerance"), ZOO, ids=[z[0] for z in ZOO])
 def test_zoo_model_is_predicted_and_its_plan_runs(name, batch_size, seq_len, tolerance):
     row = measure_zoo_model(name, batch_size, seq_len)
@@ -129,6 +130,7 @@ def test_apply_plan_turns_the_cache_off_on_every_config_and_restores_it():
     assert {k: c.use_cache for k, c in configs.items()} == before
 
 
+@pytest.mark.compile
 def test_compiled_plans_for_transformers_models():
     """Hugging Face blocks split on fake tensors with the key/value cache off (a cache passed in would
     grow on every call); compile_blocks turns it off and restores it; a block the partitioner cannot
