@@ -30,6 +30,7 @@ from planner.simulation.costs import op_times, storage_bytes
 from planner.simulation.effects import ModuleSpan, SpanChoice, dropped_tensors, module_span
 from planner.simulation.partitioner import BUDGETS, block_call, block_frontier, fused_pass_s
 from planner.simulation.step import simulate
+from planner.solver.cpsat_solver import deterministic_solver
 from planner.solver.planning import graph_model_info
 from planner.tracing.graph import OpGraph
 from planner.tracing.hf import disable_kv_cache, skip_init
@@ -85,15 +86,13 @@ def choose_budgets(
     for w in windows:
         model.add(sum(picks[i][j] * nbytes for i, j, nbytes in w.terms(frontiers)) <= w.cap_bytes)
     model.minimize(sum(v * round(p.recompute_s * 1e6) for row, f in zip(picks, frontiers) for v, p in zip(row, f)))
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = 1
+    solver = deterministic_solver(time_limit_s)
     with interruptible(solver):  # Ctrl-C stops the search and raises; the caller's SIGINT handler stays
         status = solver.solve(model)
     if status == cp_model.INFEASIBLE:
         raise InfeasibleBudget("no per-block budgets fit every window; raise the budget")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise SolverTimeout(f"CP-SAT found no per-block budgets in {time_limit_s:g}s; raise --time-limit")
+        raise SolverTimeout(f"CP-SAT found no per-block budgets within time limit {time_limit_s:g}; raise --time-limit")
     return [f[next(j for j, v in enumerate(row) if solver.value(v))] for row, f in zip(picks, frontiers)]
 
 

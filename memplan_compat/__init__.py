@@ -1,0 +1,68 @@
+"""Every private torch API memplan uses, in one table, with the torch versions it holds for.
+
+memplan reads torch's internals where no public API says what it needs: fake tensors and dispatch
+modes for tracing, pytree for walking inputs, the partitioner and inductor's scheduler for compiled
+plans, the fake process group for per-rank traces. Each name here is imported on first use (PEP
+562), so importing this module costs nothing and a command loads only the internals it touches
+(inductor takes seconds). A torch release that moves one of them breaks here, in one place:
+run ``tests/test_compat.py`` against it.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+__all__ = ["TESTED_TORCH", "PRIVATE_APIS"]
+
+TESTED_TORCH = ("2.13",)
+"""torch releases (major.minor) the whole suite runs on; pyproject.toml pins the same range."""
+
+# name -> (module, attribute); attribute None: the module itself.
+PRIVATE_APIS: dict[str, tuple[str, str | None]] = {
+    # tracing on fake tensors
+    "FakeTensor": ("torch._subclasses", "FakeTensor"),
+    "FakeTensorMode": ("torch._subclasses", "FakeTensorMode"),
+    "is_fake": ("torch._subclasses.fake_tensor", "is_fake"),
+    "detect_fake_mode": ("torch._guards", "detect_fake_mode"),
+    "OpOverload": ("torch._ops", "OpOverload"),
+    "TorchDispatchMode": ("torch.utils._python_dispatch", "TorchDispatchMode"),
+    "disable_current_modes": ("torch.utils._python_dispatch", "_disable_current_modes"),
+    "is_traceable_wrapper_subclass": ("torch.utils._python_dispatch", "is_traceable_wrapper_subclass"),
+    "ModTracker": ("torch.distributed._tools.mod_tracker", "ModTracker"),
+    # pytree
+    "tree_flatten": ("torch.utils._pytree", "tree_flatten"),
+    "tree_leaves": ("torch.utils._pytree", "tree_leaves"),
+    "tree_map": ("torch.utils._pytree", "tree_map"),
+    # torch.compile: configs, the min-cut partitioner, inductor's lowering and memory estimate
+    "dynamo_config": ("torch._dynamo.config", None),
+    "functorch_config": ("torch._functorch.config", None),
+    "inductor_config": ("torch._inductor.config", None),
+    "default_partition": ("torch._functorch.partitioners", "default_partition"),
+    "min_cut_rematerialization_partition": ("torch._functorch.partitioners", "min_cut_rematerialization_partition"),
+    "compile_fx_inner": ("torch._inductor.compile_fx", "compile_fx_inner"),
+    "select_decomp_table": ("torch._inductor.decomposition", "select_decomp_table"),
+    "inductor_memory": ("torch._inductor.memory", None),
+    "IRNode": ("torch._inductor.ir", "IRNode"),
+    "V": ("torch._inductor.virtualized", "V"),
+    # the profiler's memory events
+    "ProfilerMemoryAction": ("torch.profiler._memory_profiler", "Action"),
+    # per-rank traces without real ranks; DTensor's sharding propagation; the peer estimators
+    "FakeStore": ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
+    "ShardingPropagator": ("torch.distributed.tensor._sharding_prop", "ShardingPropagator"),
+    "FSDPMemTracker": ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in PRIVATE_APIS:
+        raise AttributeError(f"module 'memplan_compat' has no attribute {name!r}")
+    module, attribute = PRIVATE_APIS[name]
+    value = import_module(module) if attribute is None else getattr(import_module(module), attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(PRIVATE_APIS))
+
