@@ -43,6 +43,10 @@ def run(args) -> None:
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be a positive integer, got {value}")
     config = config_from_args(args)
+    if config.pp > 1:
+        raise ValueError(
+            f"memplan fit does not weigh pipelines yet; simulate them with memplan simulate --pp {config.pp}"
+        )
     capacity = get_device(config.gpu).memory_bytes
     with guarded_imports():
         from planner.analysis.fit import fit, largest_fitting

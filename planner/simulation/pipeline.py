@@ -1,0 +1,152 @@
+"""Pipeline parallel: every pp rank's memory and the step's time under a torch schedule -> :class:`PipelineTimeline`.
+
+The graph is traced once at the microbatch's batch (``batch_size / microbatches``); stages are
+cut from it (planner.simulation.pipeline_split), each rank's actions come from torch
+(planner.simulation.pipeline_schedule) and are replayed per rank (planner.simulation.pipeline_step).
+Ranks that share a pp coordinate (dp replicas, FSDP shards) share one role.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from costmodels.hardware import get_device
+from planner.config import TrainConfig
+from planner.errors import MemplanError
+from planner.simulation.costs import op_times
+from planner.simulation.pipeline_schedule import PipelineSchedule, pipeline_schedule
+from planner.simulation.pipeline_split import blocks_per_stage, cut_stages
+from planner.simulation.pipeline_step import fsdp_extras, replay_rank, stage_programs
+from planner.simulation.pipeline_time import PipelineTime, pipeline_time, stage_times
+from planner.simulation.ranks import LayoutTimeline, RankRole, group_roles
+from planner.tracing.graph import OpGraph
+
+__all__ = ["PipelineTimeline", "simulate_pipeline", "max_in_flight"]
+
+
+@dataclass(frozen=True)
+class PipelineTimeline:
+    """Every pp rank's timeline (as ``"ranks"``), the split, the schedule and its step time."""
+
+    layout: LayoutTimeline
+    schedule: PipelineSchedule
+    blocks_per_stage: tuple[int, ...]
+    time: PipelineTime
+    peak_actions: tuple[str, ...]  # per pp rank: the action its peak is in ("1B0": stage 1, backward, mb 0)
+    in_flight: tuple[int, ...]  # per pp rank: most microbatches between their F and their last backward
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.layout.peak_bytes
+
+    @property
+    def worst(self) -> RankRole:
+        return self.layout.worst
+
+    def to_dict(self, max_points: int = 2000) -> dict:
+        out = self.layout.to_dict(max_points)
+        worst = self.layout.roles.index(self.worst)
+        out["worst_stage"] = list(self.worst.stages)
+        out["pipeline"] = {
+            "schedule": self.schedule.name,
+            "pp": self.schedule.pp,
+            "microbatches": self.schedule.microbatches,
+            "stages_per_rank": self.schedule.num_stages // self.schedule.pp,
+            "blocks_per_stage": list(self.blocks_per_stage),
+            "worst_pp_rank": worst,
+            "peak_actions": list(self.peak_actions),
+            "in_flight": list(self.in_flight),
+            "first_last_ratio": self.layout.roles[0].peak_bytes / max(1, self.layout.roles[-1].peak_bytes),
+            **self.time.to_dict(),
+        }
+        return out
+
+
+def max_in_flight(schedule: PipelineSchedule, rank: int) -> int:
+    """Most microbatches a rank holds at once: counted from F until B, or W for a split backward."""
+    live, worst = set(), 0
+    for a in schedule.compute(rank):
+        key = (a.stage, a.microbatch)
+        if a.kind == "F":
+            live.add(key)
+            worst = max(worst, len(live))
+        elif a.kind in ("B", "W"):
+            live.discard(key)
+    return worst
+
+
+def _evaluate(graph: OpGraph, config: TrainConfig, schedule: PipelineSchedule, counts: tuple[int, ...], extras):
+    cuts = cut_stages(graph, counts)
+    stages = stage_programs(graph, config, cuts)
+    timing = pipeline_time(schedule, stage_times(graph, cuts, op_times(graph, get_device(config.gpu))))
+    replays = [replay_rank(graph, config, stages, schedule, r, timing.step_s, extras) for r in range(schedule.pp)]
+    return cuts, timing, replays
+
+
+def _auto_split(graph: OpGraph, config: TrainConfig, schedule: PipelineSchedule, extras) -> tuple[int, ...]:
+    """Move blocks one at a time off the worst rank's stages to another stage while the worst peak
+    falls (ties: the shorter step), from the uniform split."""
+    counts = blocks_per_stage(len(graph.regions), schedule.num_stages)
+
+    def score(c: tuple[int, ...]) -> tuple[tuple[int, float], int]:
+        """((worst peak, step time), worst pp rank) of a split."""
+        _, timing, replays = _evaluate(graph, config, schedule, c, extras)
+        peaks = [t.peak_bytes for t, _ in replays]
+        return (max(peaks), timing.step_s), peaks.index(max(peaks))
+
+    best, worst_rank = score(counts)
+    for _ in range(len(graph.regions) * schedule.num_stages):
+        moves = []
+        for s in schedule.stages(worst_rank):
+            for t in range(len(counts)):
+                if t != s and counts[s] > 1:  # the cuts between s and t each shift by one block
+                    c = list(counts)
+                    c[s] -= 1
+                    c[t] += 1
+                    moves.append(tuple(c))
+        scored = [(*score(c), c) for c in moves]
+        if not scored or min(scored)[0] >= best:
+            return counts
+        best, worst_rank, counts = min(scored)
+    return counts
+
+
+def _check(graph: OpGraph, config: TrainConfig) -> None:
+    if config.tp > 1 or config.cp > 1 or config.ep > 1:
+        raise MemplanError(
+            "pipeline parallel composes with --dp and --zero for now; use --tp, --cp and --ep 1 with --pp"
+        )
+    if not graph.regions:
+        raise MemplanError(
+            "memplan found no blocks to cut into pipeline stages; name them with --blocks GLOB (e.g. 'layers.*')"
+        )
+
+
+def simulate_pipeline(graph: OpGraph, config: TrainConfig) -> PipelineTimeline:
+    """Every pp rank of a pipeline step; `graph` is the step traced at one microbatch's batch."""
+    _check(graph, config)
+    schedule = pipeline_schedule(config)
+    extras = fsdp_extras(graph, config)
+    if config.pp_split.strip() == "auto":
+        counts = _auto_split(graph, config, schedule, extras)
+    else:
+        counts = blocks_per_stage(len(graph.regions), schedule.num_stages, config.pp_split)
+    cuts, timing, replays = _evaluate(graph, config, schedule, counts, extras)
+    groups = group_roles(config, lambda c: c.pp)
+    roles = tuple(
+        RankRole(
+            ranks=tuple(c.rank for c in group),
+            coords=group[0],
+            stages=schedule.stages(group[0].pp),
+            timeline=replays[group[0].pp][0],
+        )
+        for group in groups
+    )
+    return PipelineTimeline(
+        layout=LayoutTimeline(config, roles),
+        schedule=schedule,
+        blocks_per_stage=tuple(c.num_blocks for c in cuts),
+        time=timing,
+        peak_actions=tuple(str(a) for _, a in replays),
+        in_flight=tuple(max_in_flight(schedule, r) for r in range(schedule.pp)),
+    )

@@ -1,0 +1,390 @@
+"""Memory of every pipeline rank over one step: the traced step cut into stages, replayed per microbatch
+in the order torch's schedule runs it (planner.simulation.pipeline_schedule).
+
+One trace at the microbatch's batch serves every stage. Each stage's storages are sorted by
+where they live, as ``torch.distributed.pipelining`` (stage.py, torch 2.13) keeps them:
+
+- a stage's own forward storages freed in its backward (saved activations) live from F(m) to
+  B(m); what its forward hands on (the stage's output, in ``fwd_cache``) lives until B(m) ends;
+- with a split backward, I(m) frees what only the input gradients need; what the weight-gradient
+  ops read stays until W(m). Stage 0 has no input gradient: its I does nothing and W runs the
+  whole backward (as torch does);
+- a non-first stage keeps one receive buffer per microbatch for its input, and the input's
+  gradient lands in that buffer's ``.grad`` at B(m) and stays there until the next step; a
+  non-last stage keeps one receive buffer per microbatch for its output's gradient;
+- tensors an earlier stage made and this one reads besides its input (rotary tables, masks) are
+  made again by each microbatch's forward, as a stage module does;
+- parameters, buffers and optimizer states of the stage's modules; gradients are allocated by
+  the first microbatch's backward and accumulated into by the others (a transient per op);
+- the batch's inputs (ids on the first stage, labels on the last) are the whole batch;
+- FSDP2 (``--zero 3 --dp N``): the buffers of planner.distributed.fsdp at each replayed op.
+
+The last stage's outputs are not kept for the caller (``schedule.step(..., return_outputs=False)``,
+as torchtitan runs it).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from costmodels.hardware import get_device
+from costmodels.memory import get_precision, model_state_bytes
+from planner.config import TrainConfig
+from planner.distributed.fsdp import fsdp_buffers
+from planner.simulation.costs import StepCosts, category_scale, storage_bytes
+from planner.simulation.pipeline_schedule import PipelineAction, PipelineSchedule
+from planner.simulation.pipeline_split import StageCut, op_stages, weight_gradient_ops
+from planner.simulation.step import Timeline
+from planner.tracing.graph import CATEGORIES, OpGraph
+
+__all__ = ["StageMemory", "fsdp_extras", "stage_programs", "replay_rank"]
+
+_CAT = {c: i for i, c in enumerate(CATEGORIES)}
+_NC = len(CATEGORIES)
+HEAD, TAIL = -1, -2  # rows before the first sampled op and after the last
+
+
+@dataclass
+class _Program:
+    """One action kind of one stage: the ops it samples, bytes applied before each, and at its ends."""
+
+    ops: np.ndarray
+    delta: np.ndarray  # (len(ops), categories)
+    head: np.ndarray = field(default_factory=lambda: np.zeros(_NC, dtype=np.int64))
+    tail: np.ndarray = field(default_factory=lambda: np.zeros(_NC, dtype=np.int64))
+
+    def add(self, op: int, category: str, nbytes: int, after: bool = False) -> None:
+        """Bytes applied before op `op` samples (`after`: right after it), or at HEAD / TAIL."""
+        if op == HEAD:
+            self.head[_CAT[category]] += nbytes
+            return
+        pos = int(np.searchsorted(self.ops, op)) + (1 if after else 0)
+        if op == TAIL or pos >= len(self.ops):
+            self.tail[_CAT[category]] += nbytes
+        else:
+            self.delta[pos, _CAT[category]] += nbytes
+
+
+def _program(ops) -> _Program:
+    ops = np.asarray(sorted(ops), dtype=np.int64)
+    return _Program(ops, np.zeros((len(ops), _NC), dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """A stage's persistent bytes and its per-action programs (F, B, I, W; ``*_first`` for the first
+    backward, which allocates the gradients the others accumulate into)."""
+
+    index: int
+    persistent: np.ndarray  # (categories,) live throughout the step
+    sent_bytes: np.ndarray  # (categories,) the output one microbatch's F sends on
+    grad_sent_bytes: np.ndarray  # (categories,) the input gradient one microbatch's backward sends back
+    programs: dict[str, _Program]
+    num_parameters: int
+    optimizer_bytes: int
+    optimizer_step_temporary: int
+    param_shapes: tuple[tuple[int, ...], ...]
+
+
+def _readers(graph: OpGraph) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = defaultdict(list)
+    for op in graph.ops:
+        for tid in op.inputs:
+            out[tid].append(op.index)
+    return out
+
+
+def _retained_forward_ops(graph: OpGraph, stage_of: np.ndarray, in_bwd: np.ndarray) -> set[int]:
+    """Forward ops whose autograd nodes a split backward's I keeps for W: those that read a
+    parameter and every op of the same stage they depend on."""
+    out: set[int] = set()
+    todo = [
+        op.index
+        for op in graph.ops[: graph.backward_start]
+        if any(graph.tensors[t].category == "parameter" for t in op.inputs)
+    ]
+    while todo:
+        i = todo.pop()
+        if i in out:
+            continue
+        out.add(i)
+        for tid in graph.ops[i].inputs:
+            a = graph.tensors[tid].alloc_op
+            if a >= 0 and not in_bwd[a] and stage_of[a] == stage_of[i]:
+                todo.append(a)
+    return out
+
+
+def stage_programs(graph: OpGraph, config: TrainConfig, cuts: tuple[StageCut, ...]) -> list[StageMemory]:
+    """Every stage's persistent bytes and replay programs, from one trace at the microbatch's batch.
+    What a stage sends (its output, its input's gradient) is allocated by the programs and freed
+    by the replay, where both the stage and the schedule's send request have let go of it."""
+    n_ops = len(graph.ops)
+    m = config.num_microbatches
+    last = len(cuts) - 1
+    stage_of, in_bwd = op_stages(graph, cuts)
+    sizes = storage_bytes(graph, config)
+    readers = _readers(graph)
+    phase = [op.phase for op in graph.ops]
+    regions = sorted(graph.regions, key=lambda r: r.fwd_start)
+    weight_ops = weight_gradient_ops(graph)
+    w_read = {tid for i in weight_ops for tid in graph.ops[i].inputs} | {
+        tid for i in weight_ops for tid in graph.ops[i].allocs
+    }
+
+    retained = _retained_forward_ops(graph, stage_of, in_bwd)
+    fwd_ops = [range(c.fwd_start, c.fwd_end) for c in cuts]
+    bwd_ops = [range(c.bwd_start, c.bwd_end) for c in cuts]
+    persistent = [np.zeros(_NC, dtype=np.int64) for _ in cuts]
+    sent_bytes = [np.zeros(_NC, dtype=np.int64) for _ in cuts]
+    grad_sent_bytes = [np.zeros(_NC, dtype=np.int64) for _ in cuts]
+    progs = []
+    for c in cuts:
+        w = [i for i in bwd_ops[c.index] if i in weight_ops]
+        i_ops = [i for i in bwd_ops[c.index] if i not in weight_ops]
+        if c.index == 0:  # torch: stage 0's I is a no-op, its W runs the whole backward
+            w, i_ops = list(bwd_ops[0]), []
+        progs.append(
+            {
+                "F": _program(fwd_ops[c.index]),
+                "B_first": _program(bwd_ops[c.index]),
+                "B": _program(bwd_ops[c.index]),
+                "I": _program(i_ops),
+                "W_first": _program(w),
+                "W": _program(w),
+            }
+        )
+    param_shapes: list[list[tuple[int, ...]]] = [[] for _ in cuts]
+
+    def backward_event(s: int, op: int, tid: int, nbytes: int, first_only: bool = False, after=False) -> None:
+        """A backward event on stage s, in B and in the split backward's I or W. I runs with
+        ``retain_graph``: the autograd nodes from the weight-reading ops down to the stage's input
+        stay, with what they saved, until W; so do the gradients W's ops read (torch keeps them in
+        ``param_groups``), each until its last reader. Stage 0's W is its whole backward."""
+        cat = graph.tensors[tid].category
+        p = progs[s]
+        t = graph.tensors[tid]
+        deferred = s > 0 and (tid in w_read or any(o in retained for o in t.saved_by))
+        split, row, w_after = ("W" if s == 0 or op in weight_ops else "I"), op, after
+        if nbytes < 0 and deferred:  # freed after the last W op that reads it, else when W ends
+            w_readers = [i for i in readers.get(tid, ()) if i in weight_ops and stage_of[i] == s]
+            split, row, w_after = "W", max(w_readers, default=TAIL), bool(w_readers)
+        elif nbytes < 0 and s > 0 and t.saved_by:  # retain_graph: kept until I's autograd.grad returns
+            row = TAIL
+        p["B_first"].add(op, cat, nbytes, after)
+        if split == "W":
+            p["W_first"].add(row, cat, nbytes, w_after)
+        if not first_only:
+            p["B"].add(op, cat, nbytes, after)
+            p[split].add(row, cat, nbytes, w_after)
+
+    def backward_pair(s: int, alloc: int, free: int, tid: int, nbytes: int) -> None:
+        backward_event(s, alloc, tid, nbytes)
+        backward_event(s, free, tid, -nbytes)
+
+    for t in graph.tensors.values():
+        z = sizes[t.id]
+        if z == 0:
+            continue
+        reads = readers.get(t.id, ())
+        f = t.free_op if t.free_op is not None and t.free_op < n_ops else None
+        if t.alloc_op < 0:  # before the step: parameters, buffers, the batch
+            for s in sorted({int(stage_of[i]) for i in reads}):
+                persistent[s][_CAT[t.category]] += z * (m if t.category == "activation" else 1)
+                if t.category == "parameter":
+                    param_shapes[s].append(t.shape)
+            continue
+        a = t.alloc_op
+        sa, a_bwd = int(stage_of[a]), bool(in_bwd[a])
+        freed_here = f is not None and int(stage_of[f]) == sa
+        if not a_bwd:
+            sent = sa < last and a >= regions[cuts[sa].block_end - 1].fwd_start and any(stage_of[i] > sa for i in reads)
+            # the last stage's output (what its loss_fn reads) stays in fwd_cache until its backward
+            output = sent or (sa == last and graph.ops[a].phase == "forward" and any(phase[i] == "loss" for i in reads))
+            progs[sa]["F"].add(a, t.category, z)
+            if sent:
+                sent_bytes[sa][_CAT[t.category]] += z
+            elif output:
+                backward_event(sa, TAIL, t.id, -z)
+            elif freed_here and not in_bwd[f]:
+                progs[sa]["F"].add(f, t.category, -z)
+            elif f is not None and not in_bwd[f] and all(stage_of[i] == sa for i in reads):
+                progs[sa]["F"].add(TAIL, t.category, -z)  # dies when the stage's forward returns
+            else:  # saved for the backward, or outlives it
+                backward_event(sa, f if freed_here else TAIL, t.id, -z)
+            # later stages that read it: their input (a receive buffer per microbatch) or a tensor
+            # they make again in each forward
+            for s in sorted({int(stage_of[i]) for i in reads} - {sa}):
+                if s < sa:
+                    continue
+                boundary = s == sa + 1 and a >= regions[cuts[sa].block_end - 1].fwd_start
+                if boundary:
+                    persistent[s][_CAT[t.category]] += m * z
+                    continue
+                read_in_bwd = any(stage_of[i] == s and in_bwd[i] for i in reads)
+                progs[s]["F"].add(HEAD, t.category, z)
+                if read_in_bwd or any(stage_of[i] == s for i in t.saved_by):
+                    backward_event(s, TAIL, t.id, -z)
+                else:
+                    progs[s]["F"].add(TAIL, t.category, -z)
+            continue
+        # allocated in sa's backward
+        if t.category == "gradient" and t.free_op is None:
+            backward_event(sa, a, t.id, z, first_only=True)
+            p = progs[sa]
+            for key in ("B", "W"):
+                p[key].add(a, t.category, z)
+                p[key].add(a, t.category, -z, after=True)
+            continue
+        earlier_reads = {int(stage_of[i]) for i in reads if int(stage_of[i]) < sa}
+        if freed_here and in_bwd[f]:
+            backward_pair(sa, a, f, t.id, z)
+        elif sa > 0 and earlier_reads:  # the input's gradient, sent to the stage before
+            backward_event(sa, a, t.id, z)
+            grad_sent_bytes[sa][_CAT[t.category]] += z
+        else:
+            backward_pair(sa, a, TAIL, t.id, z)
+        for s in earlier_reads:  # a gradient received from a later stage: one buffer per microbatch
+            if s == sa - 1:
+                persistent[s][_CAT[t.category]] += m * z
+    out = []
+    precision = get_precision(config.precision)
+    foreach = get_device(config.gpu).is_cuda
+    for c in cuts:
+        states = model_state_bytes(
+            param_shapes[c.index], precision, config.optimizer, config.zero_stage, config.dp, foreach=foreach
+        )
+        out.append(
+            StageMemory(
+                index=c.index,
+                persistent=persistent[c.index],
+                sent_bytes=sent_bytes[c.index],
+                grad_sent_bytes=grad_sent_bytes[c.index],
+                programs=progs[c.index],
+                num_parameters=states.num_parameters,
+                optimizer_bytes=0 if config.cpu_offload else states.optimizer,
+                optimizer_step_temporary=0 if config.cpu_offload else states.optimizer_step_temporary,
+                param_shapes=tuple(param_shapes[c.index]),
+            )
+        )
+    return out
+
+
+def fsdp_extras(graph: OpGraph, config: TrainConfig) -> np.ndarray:
+    """(ops, categories) FSDP2 buffers at each op (zeros without ZeRO-3 on dp > 1)."""
+    out = np.zeros((len(graph.ops), _NC), dtype=np.int64)
+    if config.zero_stage >= 3 and config.dp > 1:
+        for op, extra in fsdp_buffers(graph, config, category_scale(graph, config)["gradient"]).items():
+            for cat, nbytes in extra.items():
+                out[op, _CAT[cat]] += nbytes
+    return out
+
+
+def _send_frees(stages: list[StageMemory], schedule: PipelineSchedule, rank: int) -> dict[int, np.ndarray]:
+    """Action index -> bytes freed after it: each sent tensor once its stage is done with it (an
+    output after its last backward action, a gradient after the one that made it) and the
+    schedule has dropped its send request; one handed to a stage on the same rank at once."""
+    actions = schedule.compute(rank)
+    own = set(schedule.stages(rank))
+    last_use: dict[tuple[int, str, int], int] = {}
+    consumed: dict[tuple[int, str, int], int] = {}  # a hand-over to a stage on this rank -> its use
+    for k, a in enumerate(actions):
+        if a.kind == "F":
+            consumed[(a.stage - 1, "F", a.microbatch)] = k
+        if a.kind in ("B", "W"):
+            last_use[(a.stage, "F", a.microbatch)] = k
+        if a.kind in ("B", "I"):
+            last_use[(a.stage, "B", a.microbatch)] = k
+            consumed.setdefault((a.stage + 1, "B", a.microbatch), k)
+    out: dict[int, np.ndarray] = defaultdict(lambda: np.zeros(_NC, dtype=np.int64))
+    for (stage, kind, mb), k in last_use.items():
+        nbytes = stages[stage].sent_bytes if kind == "F" else stages[stage].grad_sent_bytes
+        if not nbytes.any():
+            continue
+        if (stage + 1 if kind == "F" else stage - 1) in own:
+            # handed to a stage on this rank, it replaces that stage's receive buffer for this
+            # microbatch (counted there), which is freed when that stage uses it
+            out[consumed[(stage, kind, mb)]] += nbytes
+        elif kind == "B" and actions[k].kind == "I":  # I leaves the input's gradient in its .grad
+            out[len(actions) - 1] += nbytes
+        else:
+            out[max(k, schedule.released_after(rank, stage, kind, mb))] += nbytes
+    return dict(out)
+
+
+def replay_rank(
+    graph: OpGraph,
+    config: TrainConfig,
+    stages: list[StageMemory],
+    schedule: PipelineSchedule,
+    rank: int,
+    step_s: float,
+    extras: np.ndarray | None = None,
+) -> tuple[Timeline, PipelineAction]:
+    """One pipeline rank's timeline over the step, and the action it peaks in."""
+    extras = fsdp_extras(graph, config) if extras is None else extras
+    own = [stages[s] for s in schedule.stages(rank)]
+    base = sum((s.persistent for s in own), np.zeros(_NC, dtype=np.int64)).copy()
+    base[_CAT["optimizer"]] += sum(s.optimizer_bytes for s in own)
+    rows: list[np.ndarray] = [base.copy()[None, :]]
+    op_index: list[np.ndarray] = [np.array([-1])]
+    action_of: list[int] = [-1]
+    grads_made: set[int] = set()
+    actions = schedule.compute(rank)
+    frees = _send_frees(stages, schedule, rank)
+    for k, act in enumerate(actions):
+        p = stages[act.stage].programs
+        if act.kind in ("F", "I"):
+            prog = p[act.kind]
+        else:  # B or W: the stage's first one allocates its gradients, the others accumulate
+            prog = p[act.kind if act.stage in grads_made else f"{act.kind}_first"]
+            grads_made.add(act.stage)
+        if len(prog.ops):
+            live = base + prog.head + np.cumsum(prog.delta, axis=0) + extras[prog.ops]
+            rows.append(live)
+            op_index.append(prog.ops)
+            action_of.extend([k] * len(prog.ops))
+        base = base + prog.head + prog.delta.sum(axis=0) + prog.tail - frees.get(k, 0)
+    temp = np.zeros(_NC, dtype=np.int64)
+    temp[_CAT["temporary"]] = sum(s.optimizer_step_temporary for s in own)
+    rows.append((base + temp)[None, :])
+    op_index.append(np.array([len(graph.ops)]))
+    action_of.append(-1)
+    by_category = np.concatenate(rows).astype(np.int64)
+    ops_idx = np.concatenate(op_index)
+    total = by_category.sum(axis=1)
+    k = int(np.argmax(total))
+    at = int(ops_idx[k])
+    op = graph.ops[at] if 0 <= at < len(graph.ops) else None
+    phases = tuple(
+        "optimizer" if i >= len(graph.ops) else "start" if i < 0 else graph.ops[i].phase for i in ops_idx.tolist()
+    )
+    states = model_state_bytes(
+        [sh for s in own for sh in s.param_shapes],
+        get_precision(config.precision),
+        config.optimizer,
+        config.zero_stage,
+        config.dp,
+        foreach=get_device(config.gpu).is_cuda,
+    )
+    timeline = Timeline(
+        peak_bytes=int(total[k]),
+        peak_phase=phases[k],
+        peak_op=op.name if op is not None else ("optimizer.step" if at >= 0 else "step start"),
+        peak_module=op.module if op is not None else "",
+        breakdown_at_peak={c: int(v) for c, v in zip(CATEGORIES, by_category[k])},
+        model_states={"parameter": states.parameter, "gradient": states.gradient, "optimizer": states.optimizer},
+        num_parameters=states.num_parameters,
+        costs=StepCosts(step_s=step_s, recompute_flops=0, recompute_s=0.0, offload_bytes=0, exposed_offload_s=0.0),
+        config={**config.to_dict(), **graph.assumptions()},
+        op_index=ops_idx,
+        phases=phases,
+        by_category=by_category,
+    )
+    peak_action = (
+        actions[action_of[k]] if action_of[k] >= 0 else PipelineAction(-1, "optimizer" if at >= 0 else "start")
+    )
+    return timeline, peak_action

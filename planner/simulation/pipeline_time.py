@@ -1,0 +1,103 @@
+"""A pipeline step's time and bubble from its schedule's action lists and per-stage op times.
+
+Each rank runs its compute actions in its order; F(s, m) waits for F(s-1, m), B or I (s, m) for
+B or I (s+1, m) (the last stage for its own F), W runs where the rank's order puts it.
+Point-to-point transfers are taken as free (they overlap compute in torch's runtime).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.errors import MemplanError
+from planner.simulation.pipeline_schedule import PipelineSchedule
+from planner.simulation.pipeline_split import StageCut, weight_gradient_ops
+from planner.tracing.graph import OpGraph
+
+__all__ = ["PipelineTime", "stage_times", "pipeline_time"]
+
+
+@dataclass(frozen=True)
+class PipelineTime:
+    """Step time (the last action's end), each rank's busy seconds and idle fraction (its bubble)."""
+
+    step_s: float
+    busy_s: tuple[float, ...]
+    stage_times_s: dict[str, tuple[float, ...]]  # "F", "B", "I", "W" -> seconds per stage
+
+    @property
+    def bubble(self) -> tuple[float, ...]:
+        return tuple(1.0 - b / self.step_s if self.step_s > 0 else 0.0 for b in self.busy_s)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of all ranks' time over the step."""
+        return float(np.mean(self.bubble)) if self.busy_s else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "step_s": self.step_s,
+            "busy_s": list(self.busy_s),
+            "bubble": list(self.bubble),
+            "bubble_fraction": self.bubble_fraction,
+            "stage_times_s": {k: list(v) for k, v in self.stage_times_s.items()},
+        }
+
+
+def stage_times(graph: OpGraph, cuts: tuple[StageCut, ...], times: np.ndarray) -> dict[str, tuple[float, ...]]:
+    """Seconds of each stage's F, B, I (input gradients) and W (weight gradients; stage 0's whole backward)."""
+    weight = np.zeros(len(graph.ops), dtype=bool)
+    weight[list(weight_gradient_ops(graph))] = True
+    out: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": []}
+    for c in cuts:
+        bwd = slice(c.bwd_start, c.bwd_end)
+        b = float(times[bwd].sum())
+        w = b if c.index == 0 else float(times[bwd][weight[bwd]].sum())
+        out["F"].append(float(times[c.fwd_start : c.fwd_end].sum()))
+        out["B"].append(b)
+        out["W"].append(w)
+        out["I"].append(b - w)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def pipeline_time(schedule: PipelineSchedule, per_stage: dict[str, tuple[float, ...]]) -> PipelineTime:
+    """Replay every rank's compute actions against their cross-stage dependencies."""
+    last = schedule.num_stages - 1
+    queues = [list(schedule.compute(r)) for r in range(schedule.pp)]
+    pos = [0] * schedule.pp
+    free_at = [0.0] * schedule.pp
+    busy = [0.0] * schedule.pp
+    done: dict[tuple[int, str, int], float] = {}
+    remaining = sum(len(q) for q in queues)
+    while remaining:
+        progressed = False
+        for r, q in enumerate(queues):
+            while pos[r] < len(q):
+                a = q[pos[r]]
+                if a.kind == "F":
+                    deps = [(a.stage - 1, "F", a.microbatch)] if a.stage > 0 else []
+                elif a.kind in ("B", "I"):
+                    after = a.stage + 1
+                    deps = (
+                        [(a.stage, "F", a.microbatch)]
+                        if a.stage == last
+                        else [(after, "B", a.microbatch), (after, "I", a.microbatch)]
+                    )
+                else:
+                    deps = [(a.stage, "I", a.microbatch), (a.stage, "B", a.microbatch)]
+                ready = [done[d] for d in deps if d in done]
+                if deps and not ready:
+                    break
+                start = max([free_at[r], *ready])
+                seconds = per_stage[a.kind][a.stage]
+                free_at[r] = start + seconds
+                busy[r] += seconds
+                done[(a.stage, a.kind, a.microbatch)] = free_at[r]
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise MemplanError(f"the {schedule.name} schedule's actions wait on each other; cannot time it")
+    return PipelineTime(step_s=max(free_at), busy_s=tuple(busy), stage_times_s=per_stage)

@@ -1,0 +1,226 @@
+"""Test-only: run torch.distributed.pipelining on 2 gloo CPU ranks and measure each rank's live tensor bytes.
+
+Spec strings f"{__file__}:NAME" build the two decoders the pipeline cases use (a hand-written
+torchtitan-style Llama and a transformers LlamaForCausalLM from a tiny LlamaConfig; no
+downloads). Each rank cuts its stage modules torchtitan-style (stage 0 holds the embeddings,
+the last the final norm, head and loss), runs a warm-up step and then measured steps of
+``schedule.step(..., return_outputs=False)`` plus the optimizer step under a LiveBytesTracker,
+counting the parameters, optimizer states, its inputs and the stages' receive buffers up front.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_module
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from planner.runtime.tracker import LiveBytesTracker
+from planner.runtime.verify import make_optimizer
+from planner.tracing.models import Llama, LlamaConfig, lm_loss, rotary_tables
+
+WORLD_SIZE = 2
+PATH = __file__
+VOCAB = 256
+
+
+def _tokens(batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randint(0, VOCAB, (batch_size, seq_len)), torch.randint(0, VOCAB, (batch_size, seq_len))
+
+
+def titan_llama(batch_size: int, seq_len: int):
+    """Hand-written torchtitan-style Llama: vocab 256, hidden 128, 4 layers, 4 heads (2 kv heads)."""
+    return Llama(LlamaConfig(VOCAB, 128, 352, 4, 4, 2)), _tokens(batch_size, seq_len)
+
+
+def hf_llama(batch_size: int, seq_len: int):
+    """transformers LlamaForCausalLM from a tiny LlamaConfig: vocab 256, hidden 128, 4 layers."""
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    config = HFLlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    ids, labels = _tokens(batch_size, seq_len)
+    return LlamaForCausalLM(config), {"input_ids": ids, "labels": labels}
+
+
+class TitanStage(nn.Module):
+    """Layers [first, end) of a planner Llama; the embeddings on stage 0, norm and head on the last."""
+
+    def __init__(self, model: Llama, first: int, end: int, is_first: bool, is_last: bool) -> None:
+        super().__init__()
+        self.config = model.config
+        self.embed_tokens = model.embed_tokens if is_first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(first, end)})
+        self.norm = model.norm if is_last else None
+        self.lm_head = model.lm_head if is_last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        cos, sin = rotary_tables(h.shape[1], self.config.head_dim, self.config.rope_theta, h.device)
+        cos, sin = cos.to(h.dtype), sin.to(h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, None)
+        return self.lm_head(self.norm(h)) if self.lm_head is not None else h
+
+
+class HFStage(nn.Module):
+    """Decoder layers [first, end) of a LlamaForCausalLM, with rotary tables per forward."""
+
+    def __init__(self, model, first: int, end: int, is_first: bool, is_last: bool) -> None:
+        super().__init__()
+        inner = model.model
+        self.embed_tokens = inner.embed_tokens if is_first else None
+        self.rotary_emb = inner.rotary_emb
+        self.layers = nn.ModuleDict({str(i): inner.layers[i] for i in range(first, end)})
+        self.norm = inner.norm if is_last else None
+        self.lm_head = model.lm_head if is_last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        position_embeddings = self.rotary_emb(h, position_ids)
+        for layer in self.layers.values():
+            h = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings)
+        return self.lm_head(self.norm(h)) if self.lm_head is not None else h
+
+
+def _hf_loss(vocab_size: int):
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return ForCausalLMLoss(logits, labels, vocab_size)
+
+    return loss_fn
+
+
+def _stage_modules(builder: str, model, counts: list[int], stage_ids: list[int]):
+    firsts = [sum(counts[:k]) for k in range(len(counts))]
+    cls = HFStage if builder == "hf_llama" else TitanStage
+    last = len(counts) - 1
+    return [cls(model, firsts[s], firsts[s] + counts[s], s == 0, s == last) for s in stage_ids]
+
+
+def _tensors(objects) -> list[torch.Tensor]:
+    return [t for t in objects if isinstance(t, torch.Tensor)]
+
+
+def _recv_buffers(stage) -> list[torch.Tensor]:
+    infos = [i for per_mb in stage.args_recv_info.values() for i in per_mb]
+    infos += [i for per_mb in stage.grad_recv_info.values() for i in per_mb]
+    return _tensors(getattr(i, "buffer", None) for i in infos)
+
+
+def measure_case(rank: int, builder: str, config, counts: list[int], steps: int) -> int:
+    """This rank's lowest peak live bytes over `steps` measured steps (after a warm-up step)."""
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    from planner.config import PP_SCHEDULES
+    from planner.simulation.pipeline_schedule import stages_of_rank
+
+    torch.manual_seed(0)
+    model, inputs = globals()[builder](config.batch_size, config.seq_len)
+    ids, labels = (inputs["input_ids"], inputs["labels"]) if isinstance(inputs, dict) else inputs
+    model.train()
+    v = config.num_stages_per_rank
+    num_stages = config.pp * v
+    stage_ids = list(stages_of_rank(rank, config.pp, v, config.pp_schedule))
+    modules = _stage_modules(builder, model, counts, stage_ids)
+    stages = [PipelineStage(m, s, num_stages, torch.device("cpu")) for m, s in zip(modules, stage_ids)]
+    loss_fn = _hf_loss(model.config.vocab_size) if builder == "hf_llama" else lm_loss
+    cls = getattr(schedules, PP_SCHEDULES[config.pp_schedule])
+    multi = not issubclass(cls, schedules.PipelineScheduleSingle)
+    sched = cls(stages if multi else stages[0], config.num_microbatches, loss_fn=loss_fn)
+    params = [p for m in modules for p in m.parameters()]
+    optimizer = make_optimizer(params, config.optimizer)
+    step_args = (ids,) if 0 in stage_ids else ()
+    step_kwargs = {"target": labels} if num_stages - 1 in stage_ids else {}
+    inputs_held = [*step_args, *step_kwargs.values()]
+    peaks = []
+    for step in range(steps + 1):  # step 0 warms up: shape inference, receive buffers, optimizer states
+        for s in stages:
+            s.clear_runtime_states()
+        tracker = LiveBytesTracker()
+        tracker.track_all(
+            [
+                params,
+                [b for m in modules for b in m.buffers()],
+                inputs_held,
+                optimizer.state_dict()["state"] if optimizer is not None else [],
+                [b for s in stages for b in _recv_buffers(s)],
+            ]
+        )
+        with tracker:
+            sched.step(*step_args, return_outputs=False, **step_kwargs)
+            if optimizer is not None:
+                optimizer.step()
+            tracker.sample()
+        for p in params:
+            p.grad = None
+        if step:
+            peaks.append(tracker.peak_bytes)
+    return min(peaks)
+
+
+def _worker(rank: int, init_file: str, cases: list, queue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
+    try:
+        for key, builder, config, counts, steps in cases:
+            queue.put((key, rank, measure_case(rank, builder, config, counts, steps)))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(cases: list, workdir: str, timeout_s: float = 240.0) -> dict[str, list[int]]:
+    """key -> measured peak bytes per pp rank; each case is (key, builder, TrainConfig, blocks per
+    stage, measured steps). A run that outlives `timeout_s` (a gloo hang) is killed and fails."""
+    import time
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init_file = os.path.join(workdir, "gloo-init")
+    procs = [ctx.Process(target=_worker, args=(r, init_file, cases, queue)) for r in range(WORLD_SIZE)]
+    for p in procs:
+        p.start()
+    results: dict[str, list[int]] = {}
+    received = 0
+    deadline = time.monotonic() + timeout_s
+    try:
+        while received < len(cases) * WORLD_SIZE:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"pipeline ranks did not finish within {timeout_s:.0f} s (gloo hang?)")
+            try:
+                key, rank, peak = queue.get(timeout=2)
+            except queue_module.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                assert not failed, f"a rank process failed with exit code {failed[0]}"
+                continue
+            received += 1
+            results.setdefault(key, [0] * WORLD_SIZE)[rank] = peak
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+def case(key: str, builder: str, config, counts: list[int], steps: int = 3) -> tuple[Any, ...]:
+    return (key, builder, config, counts, steps)
