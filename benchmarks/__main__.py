@@ -26,6 +26,7 @@ TABLES = {
     "startup": "cli_startup",
 }
 TABLES["adaptive"] = "adaptive"  # growing sequence: adaptive plan vs a fixed one (benchmarks/adaptive.py)
+TABLES["set_budget"] = "set_budget"  # re-planning latency, 4/32/80 blocks (benchmarks/set_budget.py)
 
 
 def main(argv: list[str] | None = None) -> int:

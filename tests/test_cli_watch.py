@@ -56,3 +56,19 @@ def test_bad_logs_are_one_line_errors(tmp_path, capsys):
     assert_user_error(code, err, "watch", "no steps")
     code, _, err = run(["watch", str(tmp_path / "missing.jsonl")], capsys)
     assert code == 2 and "missing.jsonl" in err
+
+
+def test_failed_retargets_are_not_plan_switches(tmp_path, capsys):
+    log = tmp_path / "mem.jsonl"
+    failed = {"reason": "measured 3.03 KiB, 1.0% over the budget 3 KiB: tighten", "target_bytes": 2850, "failed": "x"}
+    records = [
+        _record(0, 1000, 1000, [{"reason": "keep 5% of the budget free", "target_bytes": 2850}]),
+        _record(1, 3100, 2800, [failed]),
+    ]
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out_json = tmp_path / "summary.json"
+    code, out, err = run(["watch", str(log), "--json", str(out_json)], capsys)
+    assert code == 0, err
+    assert "1 plan switches, 1 failed retargets" in out and "(failed: no plan)" in out
+    summary = json.loads(out_json.read_text())
+    assert [s["step"] for s in summary["switches"]] == [0] and [s["step"] for s in summary["failed_retargets"]] == [1]

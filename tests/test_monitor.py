@@ -6,6 +6,7 @@ import copy
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from models_for_tests import llama_small
 
 from planner.errors import MemplanError
 from planner.runtime.auto import auto_checkpoint
+from planner.runtime.live_trace import LiveTracer
 from planner.runtime.monitor import MemoryMonitor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +35,7 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_growing_sequence_stays_in_budget_and_plans_follow_with_unchanged_gradients(tmp_path):
     torch.manual_seed(0)
     reference, inputs = llama_small(2, 512)
@@ -66,6 +69,7 @@ def test_growing_sequence_stays_in_budget_and_plans_follow_with_unchanged_gradie
     handle.remove()
 
 
+@pytest.mark.slow
 def test_measured_drift_tightens_then_slack_relaxes(tmp_path):
     torch.manual_seed(0)
     model, _ = llama_small(2, 128)
@@ -153,3 +157,63 @@ def test_gpu_check_exits_cleanly_without_cuda(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "no GPU" in done.stdout
+
+
+def test_memplan_work_inside_a_step_is_not_measured(tmp_path):
+    model, _ = llama_small(2, 16)
+    held = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
+    with MemoryMonitor(tmp_path / "mem.jsonl", model=model) as monitor:
+        with monitor.step():
+            tracer = LiveTracer(model, "fp32")  # fake copies of every parameter, made inside the step
+        with monitor.step():
+            with monitor.paused():
+                scratch = torch.empty(2**20)
+                time.sleep(0.3)
+            del scratch
+    assert tracer.fake_model is not None
+    assert [r.measured_peak_bytes for r in monitor.records] == [held, held]
+    assert monitor.records[1].step_s < 0.3  # paused time is not the step's
+
+
+@pytest.mark.slow
+def test_first_step_and_every_retarget_are_logged_honestly(tmp_path):
+    torch.manual_seed(0)
+    model, _ = llama_small(2, 64)
+    handle = auto_checkpoint(model, (_ids(64), _ids(64)), "100%")
+    budget = handle.budget_bytes
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    with MemoryMonitor(tmp_path / "mem.jsonl", handle, adapt=True) as monitor:
+        for step in range(2):
+            ids = _ids(64)
+            with monitor.step((ids, ids)):
+                extra = torch.empty(int(0.2 * budget) // 4) if step == 1 else None  # 20% the plan cannot see
+                _train_step(model, optimizer, ids)
+                del extra
+    first, second = monitor.records
+    assert first.drift is None and "optimizer state" in first.note and second.note is None
+    assert first.switches[0]["reason"] == "keep 5% of the budget free"  # the first retarget is logged
+    over = (second.measured_peak_bytes - budget) / budget
+    assert over > 0.05 and f"{over:.1%} over the budget" in second.switches[0]["reason"]
+    handle.remove()
+
+
+@pytest.mark.slow
+def test_an_accumulated_step_is_measured_as_the_plan_predicts(tmp_path):
+    torch.manual_seed(0)
+    model, _ = llama_small(2, 64)
+    handle = auto_checkpoint(model, (_ids(64), _ids(64)), "100%", grad_accum_steps=3)
+    states = handle.model_states_bytes
+    budget = handle.set_budget(int(states + 0.6 * (handle.baseline_peak_bytes - states))).budget_bytes
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    with MemoryMonitor(tmp_path / "mem.jsonl", handle) as monitor:
+        for _ in range(3):
+            with monitor.step():  # one optimizer step: three micro-batches
+                for _ in range(3):
+                    ids = _ids(64)
+                    (model(ids, ids) / 3).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    records = monitor.records
+    assert records[0].drift is None and all(abs(r.drift) <= 0.03 for r in records[1:]), records
+    assert all(r.measured_peak_bytes <= budget for r in records)
+    handle.remove()

@@ -19,7 +19,8 @@ from costmodels.hardware import get_device
 from planner.analysis.oom_message import explain_oom_message
 from planner.analysis.snapshot import read_snapshot
 from planner.config import DEFAULT_RESERVE, DEFAULT_TIME_LIMIT_S, TrainConfig
-from planner.errors import InfeasibleBudget
+from planner.errors import InfeasibleBudget, PlanFileError
+from planner.plans.format import Plan, Predicted
 from planner.simulation.costs import model_states_for, storage_bytes
 from planner.simulation.step import Timeline, simulate, step_events
 from planner.solver.planning import solve
@@ -133,7 +134,7 @@ def allocator_estimate(graph: OpGraph, config: TrainConfig) -> AllocatorEstimate
 # -- helpers --------------------------------------------------------------------------------------
 def _changes(base: TrainConfig, new: TrainConfig) -> dict:
     a, b = base.to_dict(), new.to_dict()
-    return {k: v for k, v in b.items() if a[k] != v}
+    return {k: v for k, v in b.items() if a.get(k) != v}  # to_dict leaves some defaults out
 
 
 def _relative_time(new: Timeline, base: Timeline) -> float:
@@ -200,14 +201,26 @@ def _longest_seq(traces: _Traces, config: TrainConfig, capacity: int) -> int | N
 
 # -- remedies -------------------------------------------------------------------------------------
 def _remedies(
-    traces: _Traces, config: TrainConfig, base: Timeline, verdict: str, capacity: int, time_limit_s: float
+    traces: _Traces,
+    config: TrainConfig,
+    base: Timeline,
+    verdict: str,
+    capacity: int,
+    time_limit_s: float,
+    plan: Plan | None = None,
 ) -> list[Remedy]:
+    """Remedies priced against `capacity`; with `plan` (a live run's plan in force, `base` its
+    timeline) each is priced with that plan applied, and the plan remedy is a tighter plan."""
     device = get_device(config.gpu)
     graph = traces(config)
     out: list[Remedy] = []
 
     def simulated(name: str, description: str, new: TrainConfig, note: str = "") -> Remedy:
-        tl = simulate(traces(new), new)
+        try:
+            tl = simulate(traces(new), new, plan=plan)
+        except PlanFileError:  # the plan's op-level keeps do not exist in this configuration's trace
+            tl = simulate(traces(new), new)
+            note = (note + "; " if note else "") + "priced without the plan in force"
         return Remedy(
             name,
             description,
@@ -255,7 +268,9 @@ def _remedies(
             break
     if best is not None:
         out.append(best)
-    if verdict != "oom-init":
+    if verdict != "oom-init" and plan is not None:
+        out.append(_tighter_plan(graph, config, base, plan, capacity, time_limit_s))
+    elif verdict != "oom-init":
         budget = int(capacity * (1 - DEFAULT_RESERVE))
         targets = [(None, "checkpoint plan", "recompute what the solver picks (memplan plan)")]
         if device.is_cuda:
@@ -290,24 +305,51 @@ def _remedies(
                 if batch < 1:
                     break
                 steps = -(-config.batch_size // batch)
-                new = config.with_(batch_size=batch)
-                tl = simulate(traces(new), new)
-                r = Remedy(
+                new = config.with_(batch_size=batch, grad_accum_steps=config.grad_accum_steps * steps)
+                r = simulated(
                     "gradient accumulation",
                     f"micro-batch {batch} with {steps} accumulation steps",
-                    {"batch_size": batch, "accumulation_steps": steps},
-                    tl.peak_bytes,
-                    tl.peak_bytes <= capacity,
-                    0.0,
+                    new,
                     f"{batch * steps} samples per optimizer step in {steps} micro-steps; "
                     "smaller matmuls may run less efficiently",
                 )
+                r = replace(r, config_changes={"batch_size": batch, "accumulation_steps": steps})
                 if r.fits:
                     break
             if r is not None:
                 out.append(r)
     out.sort(key=lambda r: (not r.fits, r.overhead, r.peak_bytes))
     return out
+
+
+def _tighter_plan(
+    graph: OpGraph, config: TrainConfig, in_force: Timeline, plan: Plan, capacity: int, time_limit_s: float
+) -> Remedy:
+    """A plan 5% below the lower of the plan in force's predicted peak and the capacity: the run
+    needed more than that plan predicts, so only a tighter one helps."""
+    budget = int(min(in_force.peak_bytes, capacity) * (1 - DEFAULT_RESERVE))
+    changes = {"plan": "optimal", "budget_bytes": budget}
+    description = f"re-plan under {format_bytes(budget)} (handle.set_budget({budget}))"
+    try:
+        tighter = solve(graph, config, budget, time_limit_s=time_limit_s)
+    except InfeasibleBudget as exc:
+        peak = exc.smallest_peak_bytes if exc.smallest_peak_bytes is not None else in_force.peak_bytes
+        return Remedy("tighter plan", description, changes, peak, peak <= capacity, 0.0, "no plan reaches that budget")
+    p = tighter.predicted
+    note = f"{len(tighter.decisions)} decisions, against {len(plan.decisions)} in the plan in force"
+    return Remedy(
+        "tighter plan",
+        description,
+        changes,
+        p.peak_bytes,
+        p.peak_bytes <= capacity,
+        _relative_time_s(p, in_force),
+        note,
+    )
+
+
+def _relative_time_s(predicted: Predicted, base: Timeline) -> float:
+    return predicted.step_s / base.costs.step_s - 1.0 if base.costs.step_s > 0 else 0.0
 
 
 # -- entry points -----------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ its own length (fake copies of that batch) and solved, and the plan is cached.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -22,11 +24,14 @@ from torch.utils._pytree import tree_leaves, tree_map
 from costmodels.hardware import DEVICES
 from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget, MemplanError
-from planner.plans.format import Plan, PlanLadder
+from planner.plans.format import Plan, PlanLadder, Predicted, SolverInfo
 from planner.runtime.apply import PlanHandle, apply_plan, batch_seq_len
 from planner.runtime.live_trace import LiveTracer
-from planner.simulation.step import simulate
-from planner.solver.planning import solve
+from planner.simulation.costs import StepCosts
+from planner.simulation.effects import SpanChoice, choices_from_decisions
+from planner.simulation.step import Timeline, simulate
+from planner.solver.cpsat import prepare_replan, replan_choices
+from planner.solver.planning import decisions_for, graph_model_info, solve
 from planner.tracing.graph import OpGraph
 from planner.units import format_bytes, parse_bytes
 
@@ -36,7 +41,7 @@ __all__ = ["AutoHandle", "auto_checkpoint", "config_for", "parse_budget", "plan_
 # deterministic time; on a 32-block model it bounds the worst re-plan seen (6.5 s) to 2.5 s with the
 # same predicted overhead.
 REPLAN_TIME_LIMIT_S = 1.0
-_CONFIG_FIELDS = ("precision", "optimizer", "zero_stage", "dp", "gpu")
+_CONFIG_FIELDS = ("precision", "optimizer", "zero_stage", "dp", "gpu", "grad_accum_steps")
 _PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 # CUDA device names (torch.cuda.get_device_name) -> memplan device, longest match first.
 _GPU_NAMES = (("H200", "h200"), ("H100", "h100-80gb"), ("L40S", "l40s"), ("MI300X", "mi300x"))
@@ -62,10 +67,46 @@ def parse_budget(budget: int | str, baseline_peak_bytes: int) -> int:
         if not 0 < percent <= 100:
             raise MemplanError(f"budget percentage must be in (0, 100], got '{budget}'")
         return int(baseline_peak_bytes * percent / 100)
+    if re.fullmatch(r"0*\.[0-9]+|0*1(\.0*)?", text):
+        raise MemplanError(
+            f"budget '{budget}' is a bare fraction; write a percentage of the no-plan peak such as "
+            f"'{float(text):.0%}', or a size such as '8GiB' or bytes (an int)"
+        )
     try:
         return parse_bytes(text)
     except ValueError as exc:
         raise MemplanError(str(exc)) from exc
+
+
+# The solver's advice names memplan's CLI flags; raised through this Python API it names arguments.
+_PYTHON_WORDS = (
+    (r"--precision (\S+?)([,;)]|$)", r"precision='\1'\2"),
+    (r"--optimizer (\S+?)([,;)]|$)", r"optimizer='\1'\2"),
+    (r"--zero (\d+) --dp (\w+)", r"zero_stage=\1, dp=\2"),
+    (r"--offload (\w+)", r"offload='\1'"),
+    (r"--blocks ('[^']*'|\S+)", r"blocks=[\1]"),
+    (r"--time-limit", "time_limit_s"),
+    (r"--budget", "budget"),
+    (r"--gpu (\S+)", r"gpu='\1'"),
+)
+
+
+def _python_words(message: str) -> str:
+    """An error message with memplan's CLI flags replaced by this API's arguments."""
+    for pattern, repl in _PYTHON_WORDS:
+        message = re.sub(pattern, repl, message)
+    return message
+
+
+@contextmanager
+def _python_api() -> Iterator[None]:
+    """Re-raise memplan's errors in the words of the Python API (budget=, not --budget)."""
+    try:
+        yield
+    except MemplanError as exc:
+        if exc.args and isinstance(exc.args[0], str):
+            exc.args = (_python_words(exc.args[0]), *exc.args[1:])
+        raise
 
 
 def _gpu_of(model: nn.Module) -> str:
@@ -147,6 +188,8 @@ class AutoHandle:
         self._graphs: dict[int, OpGraph] = dict(graphs)
         self._plans: dict[tuple[int, int], Plan] = {}
         baseline = simulate(self._graphs[config.seq_len], config)
+        self._baselines: dict[int, Timeline] = {config.seq_len: baseline}
+        self._choices: dict[int, tuple[Plan, tuple[SpanChoice, ...]]] = {}  # id(plan) -> (plan, its choices)
         self.baseline_peak_bytes = baseline.peak_bytes
         self.model_states_bytes = sum(baseline.model_states.values())
         self.budget_bytes = parse_budget(budget, self.baseline_peak_bytes)
@@ -169,14 +212,78 @@ class AutoHandle:
         return self._graphs[seq_len]
 
     def plan_at(self, seq_len: int, target_bytes: int | None = None) -> Plan:
-        """The plan for a planned length under a target (default the current one); solved once, cached."""
+        """The plan for a planned length under a target (default the current one); solved once, cached.
+
+        A length's first plan is CP-SAT's; a later one (only the budget changed) is re-planned in
+        milliseconds from the cached per-block options, starting from the cached plan of the
+        nearest larger budget and from keeping everything (planner.solver.cpsat.replan_choices),
+        and by CP-SAT when that fails."""
         target = self.target_bytes if target_bytes is None else target_bytes
         key = (seq_len, target)
         if key not in self._plans:
             graph = self._graphs[seq_len]
             config = self.config.with_(seq_len=seq_len, batch_size=int(graph.meta["batch_size"]))
-            self._plans[key] = solve(graph, config, target, **self.solve_options)
+            solved = sorted((b, plan) for (n, b), plan in self._plans.items() if n == seq_len and b >= target)
+            replan = (
+                self._replan(graph, config, target, solved[0][1] if solved else None)
+                if any(n == seq_len for n, _ in self._plans)
+                else None
+            )
+            if replan is None:
+                replan = solve(graph, config, target, **self.solve_options)
+                prepare_replan(graph, config, self.solve_options.get("offload"))
+            self._plans[key] = replan
         return self._plans[key]
+
+    def _replan(self, graph: OpGraph, config: TrainConfig, target: int, start: Plan | None) -> Plan | None:
+        """The greedy re-plan for a new target as a Plan (status FEASIBLE: not proven optimal)."""
+        offload = self.solve_options.get("offload")
+        start_choices = self._choices_of(graph, start) if start is not None else ()
+        found = replan_choices(graph, config, target, start_choices, offload=offload)
+        if found is None:
+            return None
+        if config.seq_len not in self._baselines:
+            self._baselines[config.seq_len] = simulate(graph, config)
+        base = self._baselines[config.seq_len]
+        costs = StepCosts(
+            step_s=base.costs.step_s + config.grad_accum_steps * found.added_s,
+            recompute_flops=found.recompute_flops,
+            recompute_s=found.recompute_s,
+            offload_bytes=found.offload_bytes,
+            exposed_offload_s=found.exposed_offload_s,
+        )
+        plan = Plan(
+            model=graph_model_info(graph),
+            config={**config.to_dict(), **graph.assumptions()},
+            budget_bytes=int(target),
+            strategy="optimal",
+            decisions=decisions_for(graph, found.choices),
+            predicted=Predicted(
+                peak_bytes=found.peak_bytes,
+                baseline_peak_bytes=base.peak_bytes,
+                recompute_flops=costs.recompute_flops,
+                recompute_s=costs.recompute_s,
+                offload_bytes=costs.offload_bytes,
+                exposed_offload_s=costs.exposed_offload_s,
+                step_s=costs.step_s,
+                overhead=costs.overhead,
+            ),
+            solver=SolverInfo(
+                status="FEASIBLE",
+                objective=found.added_s,
+                bound=0.0,
+                gap=1.0 if found.added_s else 0.0,
+                wall_s=found.wall_s,
+            ),
+        )
+        self._choices[id(plan)] = (plan, found.choices)
+        return plan
+
+    def _choices_of(self, graph: OpGraph, plan: Plan) -> tuple[SpanChoice, ...]:
+        """A cached plan's span choices (resolved from its decisions once)."""
+        if id(plan) not in self._choices:
+            self._choices[id(plan)] = (plan, tuple(choices_from_decisions(graph, plan.decisions)))
+        return self._choices[id(plan)][1]
 
     @property
     def plan(self) -> Plan:
@@ -191,6 +298,7 @@ class AutoHandle:
         """The smallest planned length at least `seq_len`; None when every planned one is shorter."""
         return next((n for n in self.planned_lengths if n >= seq_len), None)
 
+    @_python_api()
     def set_budget(self, budget: int | str) -> Plan:
         """Re-plan for a new budget (bytes, '6GiB' or a percentage of the example's no-plan peak)
         from the cached traces; the next forward uses it. Returns the plan for the current length."""
@@ -199,6 +307,7 @@ class AutoHandle:
         self.budget_bytes = self.target_bytes = budget_bytes
         return self._in_force
 
+    @_python_api()
     def set_target(self, target_bytes: int) -> Plan:
         """Solve plans for `target_bytes` (capped at the budget) from now on: the monitor's lever."""
         target = min(int(target_bytes), self.budget_bytes)
@@ -233,7 +342,12 @@ class AutoHandle:
                     }
                 )
             self.seq_len = bucket
-            self._in_force = self._plan_within_budget(bucket)
+            with _python_api():
+                self._in_force = self._plan_within_budget(bucket)
+        self.install()
+
+    def install(self) -> None:
+        """Put the plan in force on the model now: between steps, or just before a forward."""
         if self._in_force is not self._installed:
             self._applied.use_plan(self._in_force)
             self._installed = self._in_force
@@ -309,6 +423,7 @@ def _trace_all(
     return train_config, tracer, graphs
 
 
+@_python_api()
 def plan_for(
     model: nn.Module,
     inputs: Any,
@@ -326,6 +441,7 @@ def plan_for(
     return solve(graph, train_config, budget_bytes, offload=offload, time_limit_s=time_limit_s)
 
 
+@_python_api()
 def auto_checkpoint(
     model: nn.Module,
     inputs: Any,
@@ -341,8 +457,9 @@ def auto_checkpoint(
     """Trace `model` on fake copies of `inputs`, solve under `budget` and apply the plan.
 
     `budget`: bytes, a size such as '8GiB', or a percentage of the no-plan peak such as '60%'.
-    `config`: TrainConfig fields (precision, optimizer, zero_stage, dp, gpu); precision and gpu
-    default to the model's dtype and device, shapes come from `inputs`. With `seq_lens` (a list or
+    `config`: TrainConfig fields (precision, optimizer, zero_stage, dp, gpu, grad_accum_steps);
+    precision and gpu default to the model's dtype and device, shapes come from `inputs` (one
+    micro-batch: with grad_accum_steps N the plan holds the gradients of N - 1 earlier ones). With `seq_lens` (a list or
     a PlanLadder's lengths) the handle follows the batch's sequence length (dim 1 of its first
     tensor with 2+ dims), and solves and caches a plan for any longer batch it meets.
     `time_limit_s` bounds the first solve; `replan_time_limit_s` every later one (set_budget, a

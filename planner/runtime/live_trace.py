@@ -71,17 +71,20 @@ class LiveTracer:
         self.fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
         self.shadow = ShadowMode(self.fake_mode, route=RoutingAssumption(1.0))
         memo: dict[int, Any] = {}
-        with self.fake_mode:
-            for t in [*model.parameters(), *model.buffers()]:
-                fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
-                memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
-        try:
-            self.fake_model = copy.deepcopy(model, memo)
-        except Exception as exc:
-            raise TraceError(
-                f"cannot copy the model for tracing ({type(exc).__name__}: {exc}); "
-                "plan it from a spec with planner.trace instead"
-            ) from exc
+        with _disable_current_modes():  # a monitor's live-bytes counter must not see the copy
+            with self.fake_mode:
+                for t in [*model.parameters(), *model.buffers()]:
+                    fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
+                    memo[id(t)] = (
+                        nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+                    )
+            try:
+                self.fake_model = copy.deepcopy(model, memo)
+            except Exception as exc:
+                raise TraceError(
+                    f"cannot copy the model for tracing ({type(exc).__name__}: {exc}); "
+                    "plan it from a spec with planner.trace instead"
+                ) from exc
         disable_kv_cache(self.fake_model)
         self.fake_model.train()
         self.fake_inputs: dict[int, tuple | dict] = {}  # seq_len -> the fake batch last traced there

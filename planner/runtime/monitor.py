@@ -14,6 +14,12 @@ peak comes within the reserve of the budget tightens the plan for the next step,
 steps in a row with slack relax it back toward the budget. A switch takes effect at the next
 forward and is logged with its reason. An out-of-memory error inside `step()` writes a report
 (see planner.runtime.oom_report) and is re-raised.
+
+A step is one optimizer step: with gradient accumulation, run all its micro-batches inside one
+`step()` (the handle's plan, made with grad_accum_steps, predicts the peak of the whole step).
+Nothing memplan does is measured: planning inside a step runs under `paused()` (the live-bytes
+count and the step's clock stop). A step that starts before any optimizer state exists (the
+first) is logged without a drift: its optimizer states are created after its peak.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 from planner.errors import InfeasibleBudget, MemplanError
@@ -71,11 +78,12 @@ class StepRecord:
     empty_cache: bool = False
     switches: tuple[dict, ...] = field(default=())
     advice: str | None = None
+    note: str | None = None  # why the step is not compared with the prediction
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["switches"] = [dict(s) for s in self.switches]
-        optional = ("live_bytes", "reserved_bytes", "inactive_split_bytes", "alloc_retries", "ooms", "advice")
+        optional = ("live_bytes", "reserved_bytes", "inactive_split_bytes", "alloc_retries", "ooms", "advice", "note")
         return {k: v for k, v in out.items() if v is not None or k not in optional}
 
 
@@ -153,8 +161,10 @@ class MemoryMonitor:
         self._tracker: _OpTracker | None = None
         self._pending: list[dict] = []
         self._step_start = 0.0
+        self._paused_s = 0.0
         self._batch_seq_len: int | None = None
         self._in_step = False
+        self._warmup = False
 
     # -- context ------------------------------------------------------------------------------
     @property
@@ -175,7 +185,7 @@ class MemoryMonitor:
             if hasattr(torch._C, "_cuda_attach_out_of_memory_observer"):
                 torch._C._cuda_attach_out_of_memory_observer(self._on_cuda_oom)
         if self.adapt and self.handle is not None:
-            self._retarget(self._threshold(), f"keep {self.reserve:.0%} of the budget free")
+            self._keep_reserve()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -195,7 +205,22 @@ class MemoryMonitor:
         if self.model is None:
             self.model = handle.model
         if adapt and self._file is not None:
-            self._retarget(self._threshold(), f"keep {self.reserve:.0%} of the budget free")
+            self._keep_reserve()
+
+    def _keep_reserve(self) -> None:
+        """The first retarget, to the budget less the reserve; logged with the next step."""
+        self._pending += self._retarget(self._threshold(), f"keep {self.reserve:.0%} of the budget free")
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Run memplan's own work inside a step (planning at the first batch) unmeasured: no
+        dispatch mode (the live-bytes count) sees it and its time is left out of the step's."""
+        t0 = time.perf_counter()
+        try:
+            with _disable_current_modes():
+                yield
+        finally:
+            self._paused_s += time.perf_counter() - t0
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.model is not None and optimizer not in self._optimizers:
@@ -229,6 +254,7 @@ class MemoryMonitor:
         if self._in_step:
             raise MemplanError("begin_step called twice without end_step")
         self._batch_seq_len = seq_len_of(batch)
+        self._warmup = not any(o.state for o in self._optimizers)
         if self.on_cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -249,6 +275,7 @@ class MemoryMonitor:
             self._tracker.peak_bytes = self._tracker.live_bytes
             self._tracker.__enter__()
         self._in_step = True
+        self._paused_s = 0.0
         self._step_start = time.perf_counter()
 
     def _abort_step(self) -> None:
@@ -263,7 +290,7 @@ class MemoryMonitor:
         cuda: dict[str, Any] = {}
         if self.on_cuda:
             torch.cuda.synchronize(self.device)
-            step_s = time.perf_counter() - self._step_start
+            step_s = time.perf_counter() - self._step_start - self._paused_s
             measured = int(torch.cuda.max_memory_allocated(self.device))
             stats = torch.cuda.memory_stats(self.device)
             cuda = {
@@ -273,7 +300,7 @@ class MemoryMonitor:
                 "ooms": int(stats.get("num_ooms", 0)),
             }
         else:
-            step_s = time.perf_counter() - self._step_start
+            step_s = time.perf_counter() - self._step_start - self._paused_s
             assert self._tracker is not None
             self._tracker.__exit__(None, None, None)
             self._tracker.sample()
@@ -290,17 +317,24 @@ class MemoryMonitor:
         h = self.handle
         predicted = h.predicted_peak_bytes if h is not None else None
         seq_len = h.last_seq_len if h is not None and h.last_seq_len is not None else self._batch_seq_len
-        switches = tuple(h.drain_events()) if h is not None else ()
+        switches = tuple(self._pending) + (tuple(h.drain_events()) if h is not None else ())
+        self._pending = []
         plan = plan_summary(h) if h is not None else None
         emptied, advice = self._headroom(extra)
+        warmup = self._warmup and h is not None and h.config.optimizer != "none"
+        note = (
+            "no optimizer state yet: this step's optimizer.step creates it after the peak; not compared"
+            if warmup
+            else None
+        )
         if self.adapt and h is not None:
-            switches += tuple(self._adapt(measured, predicted))
+            switches += tuple(self._adapt(measured, predicted, compared=not warmup))
         return StepRecord(
             step=len(self.records),
             seq_len=seq_len,
             measured_peak_bytes=measured,
             predicted_peak_bytes=predicted,
-            drift=None if not predicted else round((measured - predicted) / predicted, 6),
+            drift=None if not predicted or warmup else round((measured - predicted) / predicted, 6),
             budget_bytes=h.budget_bytes if h is not None else None,
             target_bytes=h.target_bytes if h is not None else None,
             plan=plan,
@@ -309,6 +343,7 @@ class MemoryMonitor:
             empty_cache=emptied,
             switches=switches,
             advice=advice,
+            note=note,
             **extra,
         )
 
@@ -333,20 +368,25 @@ class MemoryMonitor:
         assert self.handle is not None
         return int(self.handle.budget_bytes * (1 - self.reserve))
 
-    def _adapt(self, measured: int, predicted: int | None) -> list[dict]:
+    def _adapt(self, measured: int, predicted: int | None, compared: bool = True) -> list[dict]:
+        """Tighten after a step above the threshold; relax after `relax_after` compared steps with slack."""
         h = self.handle
         assert h is not None
         budget, threshold = h.budget_bytes, self._threshold()
         step = max(int(self.reserve * budget / 2), 1)
         if measured > threshold:
             self._slack_steps = 0
-            drift = max(measured - (predicted or measured), 0)
+            drift = max(measured - (predicted or measured), 0) if compared else 0
             target = min(threshold - drift, h.target_bytes - step)
-            reason = (
-                f"measured {format_bytes(measured)} within {self.reserve:.0%} of the budget "
-                f"{format_bytes(budget)}: tighten"
+            side = (
+                f"{(measured - budget) / budget:.1%} over the budget {format_bytes(budget)}"
+                if measured > budget
+                else f"{(budget - measured) / budget:.1%} under the budget {format_bytes(budget)}, "
+                f"inside its {self.reserve:.0%} reserve"
             )
-            return self._retarget(target, reason)
+            return self._retarget(target, f"measured {format_bytes(measured)}, {side}: tighten")
+        if not compared:
+            return []
         if measured < threshold - step and h.target_bytes < threshold:
             self._slack_steps += 1
             if self._slack_steps >= self.relax_after:

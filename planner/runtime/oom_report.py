@@ -2,7 +2,9 @@
 
 Built from what the run shows (the exception and its traceback, the live-bytes count on CPU,
 the allocator's figures in a CUDA message) and what memplan simulated for the plan in force.
-Remedies are planner.analysis.diagnose's, simulated on traces of the live model.
+Remedies are planner.analysis.diagnose's, simulated on traces of the live model with the plan in
+force applied, and priced against the capacity the error reports (the device's when it names none,
+the plan's budget on CPU); with a plan in force the plan remedy is a tighter plan.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class OomReport:
     predicted_peak_bytes: int | None
     predicted_breakdown: dict[str, int] = field(default_factory=dict)  # by category at the predicted peak
     model_state_bytes: int | None = None
+    capacity_bytes: int | None = None  # what the remedies are priced against
     remedies: tuple[Remedy, ...] = ()
     advice: tuple[str, ...] = ()
     snapshot: str | None = None
@@ -84,6 +87,7 @@ class OomReport:
             ("budget", self.budget_bytes),
             ("predicted peak", self.predicted_peak_bytes),
             ("model states", self.model_state_bytes),
+            ("capacity", self.capacity_bytes),
         ]
         lines.append("  " + ", ".join(f"{k} {format_bytes(v)}" for k, v in figures if v is not None))
         if self.predicted_breakdown:
@@ -143,6 +147,18 @@ class _LiveTraces:
         return len(self._graphs) + 1
 
 
+def _capacity(explained: Any, ctx: OomContext, config: TrainConfig, budget_bytes: int) -> int:
+    """Bytes the device can give this process: the error's figure (a memory fraction's allowance,
+    else the total less other processes), else the device's, else (CPU) the plan's budget."""
+    if explained is not None and explained.allowed_bytes:
+        return int(explained.allowed_bytes)
+    if explained is not None and explained.total_bytes:
+        return int(explained.total_bytes) - int(explained.other_processes_bytes or 0)
+    if ctx.device.type == "cuda":
+        return get_device(config.gpu).memory_bytes
+    return budget_bytes
+
+
 def build_oom_report(
     exc: BaseException, ctx: OomContext, *, remedies: bool = True, time_limit_s: float = 5.0
 ) -> OomReport:
@@ -165,19 +181,16 @@ def build_oom_report(
     advice = tuple(explained.advice) if explained is not None else ()
     breakdown: dict[str, int] = {}
     found: list[Remedy] = []
-    predicted = budget = states = None
+    predicted = budget = states = capacity = None
     if h is not None:
         config = h.config.with_(seq_len=h.seq_len, batch_size=int(h.graph_at(h.seq_len).meta["batch_size"]))
         timeline = simulate(h.graph_at(h.seq_len), config, plan=h.plan)
         breakdown = {k: int(v) for k, v in timeline.breakdown_at_peak.items()}
         predicted, budget, states = timeline.peak_bytes, h.budget_bytes, h.model_states_bytes
-        capacity = budget
-        if ctx.device.type == "cuda":
-            capacity = min(budget, get_device(config.gpu).memory_bytes)
         if remedies:
-            base = simulate(h.graph_at(h.seq_len), config)
+            capacity = _capacity(explained, ctx, config, budget)
             kind = "oom-init" if verdict == "init" else "oom-iteration"
-            found = _remedies(_LiveTraces(h), config, base, kind, capacity, time_limit_s)
+            found = _remedies(_LiveTraces(h), config, timeline, kind, capacity, time_limit_s, plan=h.plan)
     return OomReport(
         verdict=verdict,
         step=ctx.step,
@@ -191,6 +204,7 @@ def build_oom_report(
         predicted_peak_bytes=predicted,
         predicted_breakdown=breakdown,
         model_state_bytes=states,
+        capacity_bytes=capacity,
         remedies=tuple(found),
         advice=advice,
     )

@@ -28,9 +28,10 @@ from planner.config import DEFAULT_TIME_LIMIT_S, TrainConfig
 from planner.errors import InfeasibleBudget, MemplanError, SolverTimeout
 from planner.signals import interruptible
 from planner.simulation.costs import op_times, storage_bytes
-from planner.simulation.effects import SpanChoice
+from planner.simulation.effects import SpanChoice, exposed_transfer_s
 from planner.simulation.step import Timeline, simulate
 from planner.solver.baselines import block_spans
+from planner.solver.cpsat_solver import deterministic_solver
 from planner.solver.options import (
     BlockOption,
     OptionEffect,
@@ -40,7 +41,7 @@ from planner.solver.options import (
 from planner.tracing.graph import OpGraph
 from planner.units import format_bytes
 
-__all__ = ["RELATIVE_GAP_LIMIT", "SolveResult", "solve_choices"]
+__all__ = ["RELATIVE_GAP_LIMIT", "Replan", "SolveResult", "prepare_replan", "replan_choices", "solve_choices"]
 
 RELATIVE_GAP_LIMIT = 0.01  # stop once the plan is proven within 1% of the bound
 
@@ -82,6 +83,7 @@ class _Problem:
     effects: list[list[OptionEffect | None]]
     clock: np.ndarray  # (n_ops + 1,) start time of each op: when an offloaded block's store may begin
     deadline_op: int  # the stores must be done when this op (the backward's first) starts
+    greedy: _Greedy | None = None  # replan_choices' move tables, made at its first call
 
     def peak_bytes(self, picks: Sequence[int]) -> int:
         """The peak this model gives the chosen options, in bytes (the simulator's, exactly)."""
@@ -141,7 +143,7 @@ _PROBLEMS_KEPT = 4  # a fit search sweeps many configs of one graph: keep only t
 
 
 def _cached_problem(
-    graph: OpGraph, config: TrainConfig, offload: str | None, keep: set[str], force: set[str], times: np.ndarray
+    graph: OpGraph, config: TrainConfig, offload: str | None, keep: set[str], force: set[str]
 ) -> _Problem:
     """_problem, kept while the graph lives: it does not depend on the budget, so re-planning the same
     trace for another budget (auto_checkpoint's set_budget, the monitor) skips the option effects."""
@@ -149,7 +151,7 @@ def _cached_problem(
     hit = _PROBLEMS.get(key)
     if hit is not None and hit[0]() is graph:
         return hit[1]
-    problem = _problem(graph, config, offload, keep, force, times)
+    problem = _problem(graph, config, offload, keep, force, op_times(graph, get_device(config.gpu)))
     while len(_PROBLEMS) >= _PROBLEMS_KEPT:
         del _PROBLEMS[next(iter(_PROBLEMS))]
     _PROBLEMS[key] = (weakref.ref(graph), problem)
@@ -304,13 +306,7 @@ def _solve_cpsat(p: _Problem, budget: int, time_limit_s: float, n: int):
     )
     objective = sum(int(round(c / scale_s)) * y[r][k] for r, row_ in enumerate(costs) for k, c in enumerate(row_))
     model.Minimize(objective + _link_stall(model, p, stores, scale_s))
-    solver = cp_model.CpSolver()
-    # A deterministic-time limit makes the plan the same on every run and machine even when the
-    # limit is hit; the wall-clock limit is only a backstop.
-    solver.parameters.max_deterministic_time = float(time_limit_s)
-    solver.parameters.max_time_in_seconds = 3.0 * float(time_limit_s)
-    solver.parameters.num_workers = 1  # one worker and a fixed seed: the same plan every run
-    solver.parameters.random_seed = 0
+    solver = deterministic_solver(time_limit_s)
     solver.parameters.linearization_level = 2  # a tight LP bound: proves small gaps fast
     solver.parameters.relative_gap_limit = RELATIVE_GAP_LIMIT
     with interruptible(solver):  # Ctrl-C stops the search and raises; the caller's SIGINT handler stays
@@ -385,6 +381,223 @@ def _infeasible(graph: OpGraph, config: TrainConfig, budget: int, p: _Problem, o
     )
 
 
+@dataclass(frozen=True)
+class Replan:
+    """A re-plan of a solved trace for a new budget: the choices and their exact peak and costs."""
+
+    choices: tuple[SpanChoice, ...]
+    option_names: tuple[str, ...]
+    peak_bytes: int
+    recompute_s: float
+    recompute_flops: int
+    offload_bytes: int
+    exposed_offload_s: float
+    added_s: float  # what the choices add to one micro-batch's time (recompute and exposed offload)
+    wall_s: float
+
+
+class _Greedy:
+    """Moves one block to another option at a time on the exact curve of :class:`_Problem`: first the
+    move freeing the most bytes at the peak per second it adds, until the budget holds; then the
+    move saving the most time that keeps it. Every block's window is cut where one of its options'
+    delta changes (each delta is constant on a segment), so all moves are priced at once on the
+    curve's segment maxima and at the replay points, in arrays over (block, option). The segments
+    of all blocks cut the curve into elementary intervals: one reduceat gives their maxima, and a
+    sparse table over those gives any segment's maximum in constant time."""
+
+    def __init__(self, p: _Problem) -> None:
+        self.p = p
+        blocks = _blocks(p)
+        n = len(p.base_post)
+        self.active = [r for r, blk in enumerate(blocks) if blk is not None and len(p.options[r]) > 1]
+        self.blocks = blocks
+        k_max = max([len(p.options[r]) for r in self.active], default=1)
+        cuts = []
+        for r in self.active:
+            blk = blocks[r]
+            inner = blk.changes[(blk.changes > blk.lo) & (blk.changes < blk.hi)]
+            cuts.append(np.unique(np.concatenate([[blk.lo], inner])))
+        s_max = max([len(c) for c in cuts], default=1)
+        ends = [np.append(c[1:], blocks[r].hi) for r, c in zip(self.active, cuts)]
+        bounds = np.unique(np.concatenate([[0], *cuts, *ends]))
+        self.bounds = bounds[bounds < n]  # first ops of the elementary intervals; the last runs to n
+
+        def elementary(ops: np.ndarray) -> np.ndarray:  # op index (a bound, or n) -> interval index
+            return np.searchsorted(self.bounds, ops)
+
+        rows, k_real = len(self.active), np.array([len(p.options[r]) for r in self.active], dtype=np.int64)
+        self.starts = np.zeros((rows, s_max), dtype=np.int64)
+        self.tails = np.zeros((rows, s_max), dtype=np.int64)
+        self.level = np.zeros((rows, s_max), dtype=np.int64)
+        self.seg = np.zeros((rows, k_max, s_max), dtype=np.int64)  # option deltas on the segments
+        self.cost = np.full((rows, k_max), np.inf)
+        self.lo = elementary(np.array([blocks[r].lo for r in self.active], dtype=np.int64))
+        self.hi = elementary(np.array([blocks[r].hi for r in self.active], dtype=np.int64))
+        for i, (r, starts, stops) in enumerate(zip(self.active, cuts, ends)):
+            blk = blocks[r]
+            first, last = elementary(starts), elementary(stops)
+            level = np.floor(np.log2(last - first)).astype(np.int64)
+            pad = s_max - len(starts)
+            self.starts[i] = np.pad(first, (0, pad), mode="edge")
+            self.tails[i] = np.pad(last - (1 << level), (0, pad), mode="edge")
+            self.level[i] = np.pad(level, (0, pad), mode="edge")
+            seg = blk.rows[:, starts - blk.lo]
+            self.seg[i, : len(seg)] = np.pad(seg, ((0, 0), (0, pad)), mode="edge")
+            self.cost[i, : k_real[i]] = [0.0 if e is None else e.cost_s + e.store_s for e in p.effects[r]]
+        # replays: every option's replay point, and each option's delta at every such point
+        at = np.full((rows, k_max), -1, dtype=np.int64)
+        peak = np.zeros((rows, k_max), dtype=np.int64)
+        for i, r in enumerate(self.active):
+            for k, e in enumerate(p.effects[r]):
+                if e is not None and e.replay_peak is not None and e.replay_at < n:
+                    at[i, k], peak[i, k] = e.replay_at, e.replay_peak
+        self.points = np.unique(at[at >= 0])
+        self.point_of = np.where(at >= 0, np.searchsorted(self.points, np.maximum(at, 0)), 0)
+        self.has_replay = at >= 0
+        self.replay_peak = peak
+        self.delta_at = np.zeros((rows, k_max, len(self.points)), dtype=np.int64)
+        for i, r in enumerate(self.active):
+            blk = blocks[r]
+            inside = (self.points >= blk.lo) & (self.points < blk.hi)
+            self.delta_at[i, : k_real[i]][:, inside] = blk.rows[:, self.points[inside] - blk.lo]
+        self.gap_at = (p.base_pre - p.base_post)[self.points] if len(self.points) else np.zeros(0, dtype=np.int64)
+
+    def _peaks(self, picks: list[int], curve: np.ndarray) -> np.ndarray:
+        """peaks[i, k]: the exact peak after moving active block i to option k (inf: no such option)."""
+        p = self.p
+        rows = np.arange(len(self.active))
+        a = np.array([picks[r] for r in self.active], dtype=np.int64)
+        elem = np.maximum.reduceat(curve, self.bounds)
+        e = len(elem)
+        table = np.empty((max(e.bit_length(), 1), e), dtype=curve.dtype)  # [i, s]: max of elem[s : s + 2**i]
+        table[0] = elem
+        for i in range(1, len(table)):
+            half = 1 << (i - 1)
+            np.maximum(table[i - 1, :-half], table[i - 1, half:], out=table[i, :-half])
+        seg_max = np.maximum(table[self.level, self.starts], table[self.level, self.tails])
+        peaks = ((seg_max - self.seg[rows, a])[:, None, :] + self.seg).max(axis=2)
+        prefix = np.concatenate([[0], np.maximum.accumulate(elem)])  # [lo]: the curve's max before lo
+        suffix = np.concatenate([np.maximum.accumulate(elem[::-1])[::-1], [0]])  # [hi]: from hi on
+        outside = np.maximum(np.maximum(prefix[self.lo], suffix[self.hi]), p.optimizer_peak)
+        peaks = np.maximum(peaks, outside[:, None])
+        if len(self.points):
+            curve_at = curve[self.points]
+            # the replays of the options in force, and how moving block i to option k shifts each
+            q = self.point_of[rows, a]
+            held = self.has_replay[rows, a]
+            replays = np.where(
+                held, self.gap_at[q] + curve_at[q] - self.delta_at[rows, a, q] + self.replay_peak[rows, a], -1
+            )
+            shift = self.delta_at[:, :, q] - self.delta_at[rows, a][:, q][:, None, :]  # [i, k, other block]
+            moved = np.where(held[None, None, :], replays[None, None, :] + shift, -1)
+            moved[rows, :, rows] = -1  # a block's own replay moves with its option: below
+            peaks = np.maximum(peaks, moved.max(axis=2))
+            qk = self.point_of
+            own = self.gap_at[qk] + curve_at[qk] - self.delta_at[rows, a][rows[:, None], qk] + self.replay_peak
+            peaks = np.maximum(peaks, np.where(self.has_replay, own, -1))
+        return np.where(np.isinf(self.cost), np.iinfo(np.int64).max, peaks)
+
+    def cost_of(self, picks: list[int]) -> float:
+        """Seconds the picks add (recompute, and offload priced as load plus store)."""
+        return float(sum(self.cost[i, picks[r]] for i, r in enumerate(self.active)))
+
+    def run(self, budget: int, start: list[int]) -> list[int] | None:
+        """Picks within `budget` from `start`, or None when no move lowers the peak enough."""
+        p = self.p
+        picks = list(start)
+        curve = p.base_post.copy()
+        for r, k in enumerate(picks):
+            if self.blocks[r] is not None:
+                curve[self.blocks[r].lo : self.blocks[r].hi] += self.blocks[r].rows[k]
+        peak = p.peak_bytes(picks)
+        if not self.active:
+            return picks if peak <= budget else None
+        rows = np.arange(len(self.active))
+        while True:
+            peaks = self._peaks(picks, curve)
+            a = np.array([picks[r] for r in self.active])
+            added = self.cost - self.cost[rows, a][:, None]
+            if peak > budget:  # tighten: most bytes freed at the peak per second added
+                freed = peak - np.maximum(peaks, budget)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    score = np.where(added <= 0, np.inf, freed / added)
+                score = np.where(freed > 0, score, -np.inf)
+                i, k = np.unravel_index(int(np.argmax(score - peaks * 1e-30)), score.shape)
+                if score[i, k] == -np.inf:
+                    return None
+            else:  # relax: the largest saving of time that keeps the budget
+                saving = np.where(peaks <= budget, -added, 0.0)
+                i, k = np.unravel_index(int(np.argmax(saving)), saving.shape)
+                if saving[i, k] <= 0:
+                    return picks if p.peak_bytes(picks) <= budget else None
+            r = self.active[i]
+            blk = self.blocks[r]
+            curve[blk.lo : blk.hi] += blk.rows[k] - blk.rows[picks[r]]
+            picks[r] = int(k)
+            peak = int(peaks[i, k])
+
+
+def _picks_of(p: _Problem, choices: Sequence[SpanChoice]) -> list[int]:
+    """Each block's option index for the given choices (keep where none is chosen or it is not an option)."""
+    by_choice = {o.choice: (r, k) for r, opts in enumerate(p.options) for k, o in enumerate(opts) if o.choice}
+    picks = [next((k for k, o in enumerate(opts) if o.choice is None), 0) for opts in p.options]
+    for c in choices:
+        if c in by_choice:
+            r, k = by_choice[c]
+            picks[r] = k
+    return picks
+
+
+def prepare_replan(graph: OpGraph, config: TrainConfig, offload: str | None = None) -> None:
+    """Build (and cache while the graph lives) what replan_choices needs for this trace: the
+    per-block options, their effects and the move tables (none of it depends on the budget)."""
+    p = _cached_problem(graph, config, None if offload in (None, "none") else offload, set(), set())
+    if p.greedy is None:
+        p.greedy = _Greedy(p)
+
+
+def replan_choices(
+    graph: OpGraph,
+    config: TrainConfig,
+    budget_bytes: int,
+    start: Sequence[SpanChoice] = (),
+    *,
+    offload: str | None = None,
+) -> Replan | None:
+    """Re-plan a trace for a new budget in milliseconds, from a plan's choices (`start`) and from
+    keeping everything, the cheaper of the two: greedy moves on the per-block options and their
+    effects, computed once per trace and cached (they do not depend on the budget). The peak is exact (the simulator's); the time is not proven optimal
+    (solve_choices does that). None when the moves cannot reach the budget."""
+    t0 = time.perf_counter()
+    offload = None if offload in (None, "none") else offload
+    device = get_device(config.gpu)
+    prepare_replan(graph, config, offload)
+    p = _cached_problem(graph, config, offload, set(), set())
+    if p.optimizer_peak > budget_bytes:
+        return None
+    runs = [p.greedy.run(budget_bytes, _picks_of(p, s)) for s in ([start, ()] if start else [()])]
+    found = [picks for picks in runs if picks is not None]
+    if not found:
+        return None
+    picks = min(found, key=p.greedy.cost_of)  # from the start given and from keeping everything
+    chosen = [(p.options[r][k], p.effects[r][k]) for r, k in enumerate(picks)]
+    effects = [e for _, e in chosen if e is not None]
+    recompute_s = sum(e.cost_s for e in effects if e.transfer is None)
+    transfers = [e.transfer for e in effects if e.transfer is not None]
+    exposed = exposed_transfer_s(transfers, np.diff(p.clock), p.deadline_op, device) if transfers else 0.0
+    return Replan(
+        choices=tuple(o.choice for o, _ in chosen if o.choice is not None),
+        option_names=tuple(o.name for o, _ in chosen),
+        peak_bytes=p.peak_bytes(picks),
+        recompute_s=recompute_s,
+        recompute_flops=sum(e.recompute_flops for e in effects),
+        offload_bytes=sum(e.offload_bytes for e in effects),
+        exposed_offload_s=exposed,
+        added_s=recompute_s + exposed,
+        wall_s=time.perf_counter() - t0,
+    )
+
+
 def solve_choices(
     graph: OpGraph,
     config: TrainConfig,
@@ -411,8 +624,7 @@ def solve_choices(
     force_set = _match(paths, recompute, "--recompute")
     if keep_set & force_set:
         raise MemplanError(f"modules both kept and recomputed: {', '.join(sorted(keep_set & force_set))}")
-    times = op_times(graph, get_device(config.gpu))
-    p = _cached_problem(graph, config, offload, keep_set, force_set, times)
+    p = _cached_problem(graph, config, offload, keep_set, force_set)
     n = len(graph.ops)
     if p.optimizer_peak > budget_bytes:
         raise _infeasible(graph, config, budget_bytes, p, offload)
