@@ -8,8 +8,9 @@ import pytest
 import torch
 from models_for_tests import gpt_small, llama_small, resnet_small
 
+from planner.budgets import parse_budget
 from planner.errors import InfeasibleBudget, MemplanError
-from planner.runtime.auto import auto_checkpoint, config_for, parse_budget, plan_for
+from planner.runtime.auto import auto_checkpoint, config_for, plan_for
 from planner.runtime.verify import measure_step
 from planner.tracing.recorder import loss_of
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from costmodels.hardware import get_device
 from planner.analysis.configurations import ConfigurationReport, cheapest_configuration
+from planner.budgets import usable_bytes
 from planner.config import DEFAULT_RESERVE, DEFAULT_TIME_LIMIT_S, TrainConfig
 from planner.errors import InfeasibleBudget, SolverTimeout
 from planner.simulation.step import simulate
@@ -167,10 +168,8 @@ def fit(
     :mod:`planner.analysis.configurations`)."""
     if not isinstance(max_gpus, int) or max_gpus < 1:
         raise ValueError(f"max gpus must be a positive integer, got {max_gpus!r}")
-    if not 0 <= reserve < 1:
-        raise ValueError(f"reserve must be a fraction in [0, 1), got {reserve}")
     capacity = get_device(config.gpu).memory_bytes
-    budget = int(capacity * (1 - reserve))
+    budget = usable_bytes(capacity, reserve)
     base = config.with_(zero_stage=3, dp=1)
     check = _Checker(trace_for(spec, base), budget, time_limit_s)
 
@@ -237,7 +236,7 @@ def largest_fitting(
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
     capacity = get_device(config.gpu).memory_bytes
-    budget = int(capacity * (1 - reserve))
+    budget = usable_bytes(capacity, reserve)
     run = config.with_(zero_stage=3, dp=gpus) if gpus > 1 else config.with_(dp=1)
     checkers: dict[tuple[int, int], _Checker] = {}
     limits: dict[str, str] = {}

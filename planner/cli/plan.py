@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from costmodels.hardware import get_device
+from planner.budgets import budget_request, usable_bytes
 from planner.cli import report
 from planner.cli.guard import guarded_imports
 from planner.cli.options import add_model_options, config_from_args, write_json
 from planner.config import DEFAULT_RESERVE, DEFAULT_TIME_LIMIT_S
-from planner.units import format_bytes, parse_bytes
+from planner.units import format_bytes
 
 __all__ = ["register", "run", "budget_for"]
 
@@ -66,13 +67,9 @@ def register(add) -> None:
 def budget_for(args) -> int | str:
     """--budget (bytes, or a percentage of the no-plan peak left as '60%'), else the GPU's capacity
     less the --reserve fraction."""
-    if args.budget and args.budget.strip().endswith("%"):
-        return args.budget.strip()
     if args.budget:
-        return parse_bytes(args.budget)
-    if not 0 <= args.reserve < 1:
-        raise ValueError(f"--reserve must be a fraction in [0, 1), got {args.reserve}")
-    return int(get_device(args.gpu).memory_bytes * (1 - args.reserve))
+        return budget_request(args.budget)
+    return usable_bytes(get_device(args.gpu).memory_bytes, args.reserve)
 
 
 def _plan_one(args, config, budget: int | str):

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from costmodels.hardware import DEVICES
+from planner.budgets import parse_budget
 from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget, MemplanError
 from planner.plans.format import Plan, PlanLadder, Predicted, SolverInfo
@@ -33,9 +34,9 @@ from planner.simulation.step import Timeline, simulate
 from planner.solver.cpsat import prepare_replan, replan_choices
 from planner.solver.planning import decisions_for, graph_model_info, solve
 from planner.tracing.graph import OpGraph
-from planner.units import format_bytes, parse_bytes
+from planner.units import format_bytes
 
-__all__ = ["AutoHandle", "auto_checkpoint", "config_for", "parse_budget", "plan_for"]
+__all__ = ["AutoHandle", "auto_checkpoint", "config_for", "plan_for"]
 
 # Solver limit for re-plans made while training (set_budget, a monitor's switch, a new length): CP-SAT
 # deterministic time; on a 32-block model it bounds the worst re-plan seen (6.5 s) to 2.5 s with the
@@ -45,37 +46,6 @@ _CONFIG_FIELDS = ("precision", "optimizer", "zero_stage", "dp", "gpu", "grad_acc
 _PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 # CUDA device names (torch.cuda.get_device_name) -> memplan device, longest match first.
 _GPU_NAMES = (("H200", "h200"), ("H100", "h100-80gb"), ("L40S", "l40s"), ("MI300X", "mi300x"))
-
-
-def parse_budget(budget: int | str, baseline_peak_bytes: int) -> int:
-    """Bytes from an int, a size with a unit ('8GiB') or a percentage of the no-plan peak ('60%')."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
-        raise MemplanError(
-            f"budget must be bytes (int), a size such as '8GiB' or a percentage of the "
-            f"no-plan peak such as '60%', got {budget!r}"
-        )
-    if isinstance(budget, int):
-        if budget <= 0:
-            raise MemplanError(f"budget must be positive, got {budget}")
-        return budget
-    text = budget.strip()
-    if text.endswith("%"):
-        try:
-            percent = float(text[:-1])
-        except ValueError:
-            percent = -1.0
-        if not 0 < percent <= 100:
-            raise MemplanError(f"budget percentage must be in (0, 100], got '{budget}'")
-        return int(baseline_peak_bytes * percent / 100)
-    if re.fullmatch(r"0*\.[0-9]+|0*1(\.0*)?", text):
-        raise MemplanError(
-            f"budget '{budget}' is a bare fraction; write a percentage of the no-plan peak such as "
-            f"'{float(text):.0%}', or a size such as '8GiB' or bytes (an int)"
-        )
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise MemplanError(str(exc)) from exc
 
 
 # The solver's advice names memplan's CLI flags; raised through this Python API it names arguments.

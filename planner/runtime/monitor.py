@@ -40,6 +40,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
+from planner.budgets import usable_bytes
 from planner.errors import InfeasibleBudget, MemplanError
 from planner.runtime.apply import batch_seq_len
 from planner.runtime.auto import AutoHandle
@@ -366,7 +367,7 @@ class MemoryMonitor:
     # -- online adjustment ----------------------------------------------------------------------
     def _threshold(self) -> int:
         assert self.handle is not None
-        return int(self.handle.budget_bytes * (1 - self.reserve))
+        return usable_bytes(self.handle.budget_bytes, self.reserve)
 
     def _adapt(self, measured: int, predicted: int | None, compared: bool = True) -> list[dict]:
         """Tighten after a step above the threshold; relax after `relax_after` compared steps with slack."""

@@ -20,10 +20,10 @@ from torch import nn
 from torch._subclasses import FakeTensorMode
 
 from costmodels.hardware import DeviceSpec, get_device
+from planner.budgets import parse_budget
 from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget, SolverTimeout, SpecError, TraceError
 from planner.plans.format import CompiledPlan, CompiledPoint, CompiledPrediction
-from planner.runtime.auto import parse_budget
 from planner.safe_io import clean
 from planner.signals import interruptible
 from planner.simulation.costs import op_times, storage_bytes
