@@ -13,25 +13,34 @@ from pathlib import Path
 import torch
 
 from costmodels.memory import get_precision
+from planner.budgets import parse_budget
 from planner.config import DEFAULT_TIME_LIMIT_S, TrainConfig
-from planner.errors import InfeasibleBudget, PlanFileError
+from planner.errors import InfeasibleBudget, MemplanError, PlanFileError
 from planner.plans.format import CompiledPlan, Plan, PlanLadder, load_plan
 from planner.plans.identity import check_plan_matches
 from planner.runtime.apply import apply_plan
-from planner.runtime.auto import parse_budget
 from planner.runtime.compiled import measure_compiled_step
 from planner.runtime.dryrun import dry_run, planned_errors
+from planner.runtime.parallel_verify import measure_on_gloo_ranks
 from planner.runtime.verify import Measurement, measure_step
+from planner.simulation.layout import is_tensor_parallel, layout_timeline, simulate_ranks, trace_roles
+from planner.simulation.pipeline import PipelineTimeline, simulate_pipeline
+from planner.simulation.ranks import LayoutTimeline
 from planner.simulation.step import Timeline, simulate
 from planner.solver.compiled import plan_compiled
 from planner.solver.planning import compare_strategies, solve
+from planner.tracing.graph import OpGraph
 from planner.tracing.hf import disable_kv_cache
-from planner.tracing.recorder import trace_for
+from planner.tracing.recorder import trace, trace_for
 from planner.tracing.specs import resolve_spec
 from planner.units import format_bytes
 
 __all__ = [
     "simulate_model",
+    "simulate_layout",
+    "LayoutVerifyResult",
+    "verify_layout",
+    "simulate_pipeline_model",
     "VerifyResult",
     "verify_model",
     "plan_for_config",
@@ -66,6 +75,45 @@ def simulate_model(spec: str, config: TrainConfig, plan: Plan | PlanLadder | str
     return timeline
 
 
+def simulate_layout(
+    spec: str, config: TrainConfig, plan: Plan | PlanLadder | str | None = None
+) -> LayoutTimeline | PipelineTimeline:
+    """Every rank of a parallel layout: a pipeline (``config.pp > 1``, with FSDP2 on dp) or tensor
+    parallel (TP, TP × FSDP2), one trace and timeline per distinct role."""
+    if config.pp > 1:
+        return simulate_pipeline_model(spec, config, plan)
+    return simulate_ranks(spec, config, plan_for_config(plan, config.seq_len))
+
+
+def _refuse_pipeline(config: TrainConfig, command: str) -> None:
+    """`command` does not handle pipelines yet: say so instead of planning one rank's whole model."""
+    if config.pp > 1:
+        raise MemplanError(
+            f"memplan {command} does not handle --pp yet; simulate the pipeline with memplan simulate --pp {config.pp}"
+        )
+
+
+def simulate_pipeline_model(
+    spec: str, config: TrainConfig, plan: Plan | PlanLadder | str | None = None
+) -> PipelineTimeline:
+    """Trace a spec once at one microbatch's batch and simulate every pipeline rank under the schedule."""
+    if plan is not None:
+        raise PlanFileError("plans per pipeline stage are not supported yet; simulate --pp without --plan")
+    graph = trace(
+        spec,
+        batch_size=config.batch_size // config.num_microbatches,
+        seq_len=config.seq_len,
+        precision=config.precision,
+        gathered_params=config.zero_stage == 3,
+        moe_imbalance=config.moe_imbalance,
+        blocks=config.blocks,
+    )
+    result = simulate_pipeline(graph, config)
+    for role in result.layout.roles:
+        role.timeline.config["model"] = spec
+    return result
+
+
 @dataclass(frozen=True)
 class VerifyResult:
     """Predicted against measured peak of one real step on this machine."""
@@ -86,6 +134,7 @@ def verify_model(
     spec: str, config: TrainConfig, plan: Plan | PlanLadder | str | None = None, seed: int = 0
 ) -> VerifyResult:
     """Build the real model on CPU, run a warm-up and a measured step, compare with the simulator."""
+    _refuse_pipeline(config, "verify")
     if config.gpu != "cpu":
         raise ValueError(f"verify runs on this machine's CPU; use --gpu cpu (got {config.gpu})")
     if get_precision(config.precision).autocast_dtype == torch.float16:
@@ -113,6 +162,41 @@ def verify_model(
     return VerifyResult(spec, predicted, measured.peak_bytes, error, measured.loss, config.to_dict(), plan_path)
 
 
+@dataclass(frozen=True)
+class LayoutVerifyResult:
+    """Predicted against measured peak of every rank of a parallel layout, each a CPU gloo process."""
+
+    model: str
+    predicted_bytes: list[int]  # per global rank
+    measured_bytes: list[int]
+    errors: list[float]  # (predicted - measured) / measured per rank
+    config: dict
+    plan: str | None
+
+    @property
+    def worst_error(self) -> float:
+        return max(self.errors, key=abs)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "worst_error": self.worst_error}
+
+
+def verify_layout(
+    spec: str, config: TrainConfig, plan: str | None = None, timeout_s: float = 600.0
+) -> LayoutVerifyResult:
+    """Run the layout on ``config.world_size`` CPU processes under gloo (the TP plan, the memplan
+    plan, FSDP2 with --zero 3) and compare each rank's measured peak with its prediction."""
+    if config.gpu != "cpu":
+        raise ValueError(f"verify runs on this machine's CPU; use --gpu cpu (got {config.gpu})")
+    loaded = plan_for_config(plan, config.seq_len)
+    layout = simulate_layout(spec, config, loaded)
+    by_rank = {r: role.peak_bytes for role in layout.roles for r in role.ranks}
+    predicted = [by_rank[r] for r in range(config.world_size)]
+    measured = measure_on_gloo_ranks(spec, config, loaded.to_dict() if loaded is not None else None, timeout_s)
+    errors = [(p - m) / m for p, m in zip(predicted, measured)]
+    return LayoutVerifyResult(spec, predicted, measured, errors, config.to_dict(), str(plan) if plan else None)
+
+
 def plan_model(
     spec: str,
     config: TrainConfig,
@@ -127,10 +211,12 @@ def plan_model(
     """Trace, compare the baseline strategies and solve: (plan, comparison rows, no-plan peak).
     `budget_bytes` may be a percentage of the no-plan peak ('60%'). With `config.compile`, the plan
     is a CompiledPlan of per-block activation budgets (no comparison rows)."""
+    _refuse_pipeline(config, "plan")
     if config.compile:
         plan = plan_compiled(spec, config, budget_bytes, time_limit_s=time_limit_s)
         return plan, [], plan.predicted.baseline_peak_bytes
-    graph = trace_for(spec, config)
+    roles = trace_roles(spec, config) if is_tensor_parallel(config) else None
+    graph = _worst_role(config, roles[1]) if roles else trace_for(spec, config)
     if isinstance(budget_bytes, str):
         budget_bytes = parse_budget(budget_bytes, simulate(graph, config).peak_bytes)
     if not graph.regions:
@@ -145,8 +231,27 @@ def plan_model(
         recompute=recompute,
         time_limit_s=time_limit_s,
     )
+    if roles:
+        _check_every_rank(spec, config, roles, plan, budget_bytes)
     rows = compare_strategies(graph, config, budget_bytes)
     return plan, rows, plan.predicted.baseline_peak_bytes
+
+
+def _worst_role(config: TrainConfig, graphs: dict) -> OpGraph:
+    """The graph of the rank role whose no-plan peak is highest: a plan solved for it holds on the others."""
+    return max(graphs.values(), key=lambda g: simulate(g, config).peak_bytes)
+
+
+def _check_every_rank(spec: str, config: TrainConfig, roles: tuple, plan: Plan, budget_bytes: int) -> None:
+    """A plan solved for the worst rank, simulated on every rank role: each must hold the budget."""
+    layout = layout_timeline(spec, config, *roles, plan=plan)
+    over = [r for r in layout.roles if r.peak_bytes > budget_bytes]
+    if over:
+        raise InfeasibleBudget(
+            f"the plan for the worst rank leaves rank {over[0].ranks[0]} at {format_bytes(over[0].peak_bytes)}, "
+            f"over the budget {format_bytes(budget_bytes)}; raise the budget or use --tp-plan with even shards",
+            smallest_peak_bytes=layout.peak_bytes,
+        )
 
 
 def _check_without_blocks(graph, config: TrainConfig, budget_bytes: int) -> None:
@@ -204,6 +309,8 @@ def check_plan_for_spec(spec: str, config: TrainConfig, plan_path: str) -> str:
 def _simulate_dict(args: tuple[str, TrainConfig, str | None]) -> dict:
     spec, config, plan = args
     torch.set_num_threads(1)
+    if config.pp > 1:
+        return simulate_pipeline_model(spec, config, plan).to_dict()
     return simulate_model(spec, config, plan).to_dict()
 
 

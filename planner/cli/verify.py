@@ -11,7 +11,8 @@ __all__ = ["register", "run"]
 
 EXAMPLE = (
     "memplan verify --model llama-7b-tiny --batch-size 2 --seq-len 64\n"
-    "  memplan verify --model gpt2-tiny --seq-len 64 --plan plan.json"
+    "  memplan verify --model gpt2-tiny --seq-len 64 --plan plan.json\n"
+    "  memplan verify --model llama-7b-tiny --batch-size 2 --seq-len 128 --tp 2 --dp 2 --zero 3"
 )
 
 
@@ -24,6 +25,9 @@ def register(add) -> None:
 def run(args) -> None:
     if args.gpu != "cpu":
         raise ValueError(f"verify runs the real model on this machine's CPU; drop --gpu {args.gpu}")
+    if args.tp > 1:
+        _run_layout(args)
+        return
     with guarded_imports():
         from planner.api import verify_model
     results = [verify_model(args.model, config_from_args(args, s), args.plan) for s in args.seq_len]
@@ -33,4 +37,22 @@ def run(args) -> None:
     ]
     print(f"{args.model}: predicted vs measured peak of live tensor bytes (CPU, {args.precision}, {args.optimizer})")
     print(report.table(["seq_len", "predicted", "measured", "error"], rows))
+    write_json(args.json_path, {"results": [r.to_dict() for r in results]})
+
+
+def _run_layout(args) -> None:
+    """Every rank of a tensor-parallel layout, each a CPU process under gloo."""
+    with guarded_imports():
+        from planner.api import verify_layout
+    results = [verify_layout(args.model, config_from_args(args, s), args.plan) for s in args.seq_len]
+    print(
+        f"{args.model}: predicted vs measured peak of live tensor bytes per rank "
+        f"(CPU gloo, {args.precision}, {args.optimizer})"
+    )
+    rows = [
+        [r.config["seq_len"], rank, format_bytes(p), format_bytes(m), f"{e * 100:+.2f}%"]
+        for r in results
+        for rank, (p, m, e) in enumerate(zip(r.predicted_bytes, r.measured_bytes, r.errors))
+    ]
+    print(report.table(["seq_len", "rank", "predicted", "measured", "error"], rows))
     write_json(args.json_path, {"results": [r.to_dict() for r in results]})

@@ -94,18 +94,19 @@ def _step(model: nn.Module, inputs, optimizer) -> torch.Tensor:
     return loss
 
 
-def measure_sharded_step(model: nn.Module, inputs, config: TrainConfig, steps: int = 5) -> Measurement:
+def measure_sharded_step(
+    model: nn.Module, inputs, config: TrainConfig, steps: int = 5, tracker: type[LiveBytesTracker] = ShardedBytesTracker
+) -> Measurement:
     """This rank's peak live bytes over a steady-state step of a sharded model (after a warm-up).
 
     Gloo's worker thread can drop its reference to a collective's buffer a moment after the call
     returns, which now and then adds one block's buffer to a step; the lowest of `steps` measured
-    steps is the step without that race.
+    steps is the step without that race. `tracker` is the class that counts a step's live bytes.
     """
     optimizer = make_optimizer(model.parameters(), config.optimizer)
     model.train()
     _step(model, inputs, optimizer)
     runs = [
-        tracked_step(ShardedBytesTracker(), model, inputs, optimizer, lambda: _step(model, inputs, optimizer))
-        for _ in range(steps)
+        tracked_step(tracker(), model, inputs, optimizer, lambda: _step(model, inputs, optimizer)) for _ in range(steps)
     ]
     return min(runs, key=lambda m: m.peak_bytes)

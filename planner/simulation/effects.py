@@ -171,6 +171,21 @@ def recompute_stop(graph: OpGraph, span: ModuleSpan) -> int:
     return max(saves) if saves else span.fwd_end
 
 
+def held_inputs(graph: OpGraph, span: ModuleSpan) -> list[int]:
+    """Inputs of a checkpointed span that die before its backward starts without the plan (no op
+    saves them, or only ops before the span): the checkpoint saves its inputs regardless and holds
+    them through the span's backward (a sequence-parallel block's norm output, gathered inside
+    the span, is one)."""
+    out = []
+    for i in range(span.fwd_start, span.fwd_end):
+        for tid in graph.ops[i].inputs:
+            t = graph.tensors[tid]
+            if t.alloc_op < span.fwd_start and t.category in ("activation", "temporary"):
+                if t.free_op is not None and t.free_op < span.bwd_start and tid not in out:
+                    out.append(tid)
+    return out
+
+
 def cached_outputs(
     graph: OpGraph, span: ModuleSpan, keep_ops: frozenset[int], dropped: Sequence[int]
 ) -> list[tuple[int, bool]]:
@@ -310,7 +325,11 @@ def choice_effect(
             popped.append(tid)
         else:
             add(max(span.bwd_end, t.free_op), FREE, tid, -1)
-    moved = frozenset(dropped) | {tid for tid, _ in cached}
+    held = held_inputs(graph, span) if choice.mode == "recompute" else []
+    for tid in held:
+        add(graph.tensors[tid].alloc_op, ALLOC, tid, 1)
+        add(span.bwd_end, FREE, tid, -1)
+    moved = frozenset(dropped) | {tid for tid, _ in cached} | frozenset(held)
     if choice.mode == "offload":
         transfer = Transfer(span.fwd_end, sum(sizes[tid] for tid in dropped), choice.target)
         return ChoiceEffect(moved, tuple(events), 0, 0.0, transfer)

@@ -1,0 +1,141 @@
+"""Shard a real model as memplan's tensor-parallel simulation does, and measure one rank's step.
+
+Run inside a process group of ``dp · cp · tp`` ranks (gloo on CPU). Order, as torchtitan composes
+them: the TP plan (the same callable the fake-tensor trace applied), then a memplan plan
+(checkpointing), then ``fully_shard`` per block and root on the ``dp`` submesh with ``--zero 3``.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_module
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from costmodels.memory import get_precision
+from planner.config import TrainConfig
+from planner.distributed.shard import ShardedBytesTracker, measure_sharded_step, shard_model
+from planner.plans.format import load_plan
+from planner.runtime.apply import apply_plan
+from planner.runtime.verify import Measurement
+from planner.tracing.blocks import find_region_paths
+from planner.tracing.hf import disable_kv_cache
+from planner.tracing.parallel.tp_plans import resolve_tp_plan
+from planner.tracing.specs import resolve_spec
+
+__all__ = [
+    "LocalBytesTracker",
+    "build_parallel_model",
+    "measure_on_gloo_ranks",
+    "measure_parallel_step",
+    "run_on_gloo_ranks",
+]
+
+
+class LocalBytesTracker(ShardedBytesTracker):
+    """Live bytes of one rank, seen through DTensor: a DTensor op desugars into the local ops (and
+    collectives) the rank runs before this tracker counts their outputs. A wrapper subclass
+    (DTensor, the AsyncCollectiveTensor of a functional collective) owns no memory: its inner
+    tensors are counted instead."""
+
+    def track(self, t: torch.Tensor) -> None:
+        if is_traceable_wrapper_subclass(t):
+            for name in t.__tensor_flatten__()[0]:
+                inner = getattr(t, name)
+                if isinstance(inner, torch.Tensor):
+                    self.track(inner)
+            return
+        super().track(t)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if DTensor in types:
+            return NotImplemented
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _mesh(config: TrainConfig) -> DeviceMesh:
+    return init_device_mesh("cpu", (config.dp, config.cp, config.tp), mesh_dim_names=("dp", "cp", "tp"))
+
+
+def build_parallel_model(spec: str, config: TrainConfig, plan=None, seed: int = 0) -> tuple[nn.Module, object]:
+    """(model, inputs) of this rank: built from `seed`, in the config's dtype, TP-sharded, with the
+    plan applied and, with ``--dp M --zero 3``, fully sharded over the dp submesh."""
+    torch.manual_seed(seed)
+    model, inputs = resolve_spec(spec).build(batch_size=config.batch_size, seq_len=config.seq_len)
+    model.to(get_precision(config.precision).param_dtype)
+    disable_kv_cache(model)
+    units = find_region_paths(model, config.blocks)
+    mesh = _mesh(config)
+    resolve_tp_plan(config.tp_plan, config.sequence_parallel)(model, mesh["tp"])
+    if plan is not None:
+        apply_plan(model, plan)
+    if config.dp > 1 and config.zero_stage == 3:
+        shard_model(model, units, config, mesh=mesh["dp"])
+    return model, inputs
+
+
+def measure_parallel_step(model: nn.Module, inputs, config: TrainConfig) -> Measurement:
+    """This rank's peak live bytes over a steady-state step (after a warm-up; the lowest of a few)."""
+    return measure_sharded_step(model, inputs, config, tracker=LocalBytesTracker)
+
+
+def _measure_worker(rank: int, world_size: int, init_file: str, payload: tuple, queue) -> None:
+    """One gloo rank of :func:`measure_on_gloo_ranks`: build, shard, measure, report."""
+    spec, config, plan = payload
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        plan = load_plan(plan) if plan is not None else None
+        model, inputs = build_parallel_model(spec, config, plan)
+        queue.put((rank, measure_parallel_step(model, inputs, config).peak_bytes))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_gloo_ranks(worker, world_size: int, payload, timeout_s: float = 600.0) -> list:
+    """Start `world_size` CPU processes (spawn) running ``worker(rank, world_size, init_file,
+    payload, queue)`` under a gloo group; every item they put on the queue, in arrival order.
+    A rank that fails, or no item within `timeout_s`, is a RuntimeError; no process is left running."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as workdir:
+        init_file = os.path.join(workdir, "gloo-init")
+        procs = [ctx.Process(target=worker, args=(r, world_size, init_file, payload, queue)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        items, waited_s = [], 0.0
+        try:
+            while any(p.is_alive() for p in procs) or not queue.empty():
+                try:
+                    items.append(queue.get(timeout=1))
+                    waited_s = 0.0
+                except queue_module.Empty:
+                    waited_s += 1
+                    failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                    if failed:
+                        raise RuntimeError(f"a gloo rank process failed with exit code {failed[0]}") from None
+                    if waited_s >= timeout_s:
+                        raise RuntimeError(f"gloo rank processes gave no result within {timeout_s:.0f} s") from None
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    return items
+
+
+def measure_on_gloo_ranks(
+    spec: str, config: TrainConfig, plan: dict | None = None, timeout_s: float = 600.0
+) -> list[int]:
+    """Peak live bytes of every global rank over a steady-state step, each rank a CPU process under gloo."""
+    items = run_on_gloo_ranks(_measure_worker, config.world_size, (spec, config, plan), timeout_s)
+    peaks = dict(items)
+    return [peaks[r] for r in range(config.world_size)]

@@ -1,0 +1,132 @@
+"""Trace what one rank of a tensor-parallel job runs, on fake tensors under a fake process group.
+
+PyTorch's own sharding makes the per-rank graph: the model builds on fake tensors, the TP plan
+shards it over the ``tp`` dimension of a ``[dp, cp, tp]`` DeviceMesh (``parallelize_module`` or
+the model's own plan), and the recorder traces forward, loss and backward of this rank: local
+shards, sequence parallel's all-gather and reduce-scatter outputs, DTensor's redistributions and
+the loss. FSDP2 is not applied here (``fully_shard`` over TP shards fails on fake tensors): the
+simulator models its buffers over the local shards the trace holds. Pipeline stages are another
+module's concern: the fake group spans one stage's ``dp · cp · tp`` ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from costmodels.memory import get_precision
+from planner.config import TrainConfig
+from planner.errors import TraceError
+from planner.tracing.fake_build import fake_model
+from planner.tracing.graph import OpGraph
+from planner.tracing.parallel.tp_plans import TpPlan, resolve_tp_plan
+from planner.tracing.recorder import cast_parameters, trace_model
+from planner.tracing.specs import ModelSpec, resolve_spec
+
+__all__ = ["fake_process_group", "layout_mesh", "tp_role_keys", "trace_tp_rank"]
+
+
+def _clear_sharding_caches() -> None:
+    """DTensor caches sharding decisions by op and placements, not by rank; an uneven shard makes
+    them rank-specific (a view's local shape), so each rank's trace starts and ends without them."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    type(propagator)._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's
+
+
+@contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """A fake process group (no communication; collectives return buffers of the right size)
+    as the default group while inside; destroyed on exit, so it leaks into no later trace, and
+    DTensor's sharding caches are cleared on the way in and out."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise TraceError(
+            "a torch.distributed process group is already initialised in this process; memplan traces "
+            "parallel layouts under its own fake group: simulate in a process without one"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    _clear_sharding_caches()
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        _clear_sharding_caches()
+
+
+def layout_mesh(config: TrainConfig) -> DeviceMesh:
+    """The ``[dp, cp, tp]`` CPU mesh of one pipeline stage (build it outside any FakeTensorMode)."""
+    return init_device_mesh("cpu", (config.dp, config.cp, config.tp), mesh_dim_names=("dp", "cp", "tp"))
+
+
+def _local_shape(p: torch.Tensor, tp_index: int) -> tuple[int, ...]:
+    """A parameter's local shape on TP rank `tp_index` (DTensor's torch.chunk split)."""
+    if not isinstance(p, DTensor):
+        return tuple(p.shape)
+    shape = list(p.shape)
+    for mesh_dim, placement in enumerate(p.placements):
+        if isinstance(placement, Shard):
+            d = placement.dim % len(shape)
+            shape[d] = int(Shard.local_shard_size_and_offset(shape[d], p.device_mesh.size(mesh_dim), tp_index)[0])
+    return tuple(shape)
+
+
+def tp_role_keys(model: nn.Module, config: TrainConfig) -> list[tuple]:
+    """One key per TP index: its local parameter shapes and (with sequence parallel) its share of
+    the sequence. TP indices with equal keys run the same local step (one role)."""
+    seq_share = [
+        int(Shard.local_shard_size_and_offset(config.seq_len, config.tp, i)[0]) if config.sequence_parallel else 0
+        for i in range(config.tp)
+    ]
+    params = list(model.parameters())
+    return [(seq_share[i], tuple(_local_shape(p, i) for p in params)) for i in range(config.tp)]
+
+
+def _traced_dtypes(config: TrainConfig) -> tuple[torch.dtype, str]:
+    """Parameter dtype and the precision the forward runs in (ZeRO-3 gathers in the compute dtype)."""
+    prec = get_precision(config.precision)
+    if config.zero_stage == 3 and prec.autocast_dtype is not None:
+        return prec.autocast_dtype, "fp32"
+    return prec.param_dtype, config.precision
+
+
+def trace_tp_rank(
+    spec: str | ModelSpec, config: TrainConfig, rank: int, lifetimes: bool = True, plan: TpPlan | None = None
+) -> tuple[OpGraph, list[tuple]]:
+    """(graph of global rank `rank` within one pipeline stage, role key of every TP index)."""
+    model_spec = resolve_spec(spec) if isinstance(spec, str) else spec
+    plan = plan or resolve_tp_plan(config.tp_plan, config.sequence_parallel)
+    param_dtype, traced_precision = _traced_dtypes(config)
+    with fake_process_group(rank, config.dp * config.cp * config.tp):
+        mesh = layout_mesh(config)
+        with fake_model(model_spec, config.batch_size, config.seq_len, config.moe_imbalance) as (model, inputs, _):
+            if param_dtype != torch.float32:
+                cast_parameters(model, param_dtype)
+            plan(model, mesh["tp"])
+            keys = tp_role_keys(model, config)
+            graph = trace_model(
+                model,
+                inputs,
+                precision=traced_precision,
+                name=model_spec.name,
+                lifetimes=lifetimes,
+                blocks=config.blocks,
+            )
+    graph.meta.update(
+        precision=config.precision,
+        batch_size=config.batch_size,
+        seq_len=config.seq_len,
+        tp=config.tp,
+        sequence_parallel=config.sequence_parallel,
+        tp_plan=config.tp_plan,
+        rank=rank,
+    )
+    return graph, keys

@@ -1,0 +1,237 @@
+"""Tensor-parallel plans: how a model is sharded over a TP mesh (``--tp-plan``).
+
+- ``auto``: the model's own plan where it ships one (a transformers model whose config carries
+  ``base_model_tp_plan``: transformers' own ``apply_tensor_parallelism`` applies it), else
+  memplan's for the decoder blocks it recognises, laid out as torchtitan does: embeddings
+  rowwise with sequence-sharded output, norms ``SequenceParallel``, q/k/v and w1/w3 colwise, o
+  and w2 rowwise with sequence-sharded output, head colwise with replicated logits. Without
+  sequence parallel the norms stay replicated and row-parallel outputs are all-reduced.
+- ``PATH.py:FUNC`` / ``package.module:FUNC``: the user's ``FUNC(model, tp_mesh)``.
+
+A plan is a callable ``plan(model, tp_mesh)``; the same one runs on the fake-tensor model of the
+trace and on the real model of a verification run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from planner.errors import SpecError
+from planner.tracing.specs import resolve_spec
+
+__all__ = ["TpPlan", "resolve_tp_plan", "apply_tp_plan"]
+
+TpPlan = Callable[[nn.Module, DeviceMesh], object]
+
+# Child names of the pieces memplan recognises (its own Llama, torchtitan, Hugging Face Llama).
+_ATTENTION = ("attn", "attention", "self_attn")
+_QKV = (("q_proj", "k_proj", "v_proj"), ("wq", "wk", "wv"))
+_OUT = ("o_proj", "wo")
+_MLP = ("mlp", "feed_forward")
+_UP = (("gate_proj", "up_proj"), ("w1", "w3"))
+_DOWN = ("down_proj", "w2")
+_NORMS = (("attn_norm", "mlp_norm"), ("attention_norm", "ffn_norm"), ("input_layernorm", "post_attention_layernorm"))
+_EMBEDDING = ("embed_tokens", "tok_embeddings")
+_FINAL_NORM = ("norm",)
+_HEAD = ("lm_head", "output")
+# Attributes holding a head count that a sharded attention must see as its local count.
+_HEAD_COUNTS = ("num_heads", "num_kv_heads", "n_heads", "n_kv_heads")
+
+
+class _ReplicateFirstInput(ParallelStyle):
+    """The module's first input, sequence-sharded, all-gathered to replicated (torchtitan's
+    ``PrepareModuleInput(input_layouts=(Shard(1), ...), desired_input_layouts=(Replicate(), ...))``
+    for any number of further inputs, which pass unchanged). The gather runs inside the module's
+    forward, not in a pre-hook, so a plan that checkpoints the module recomputes it, as simulated."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        forward = module.forward
+
+        def gathered_forward(x, *args, **kwargs):
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+            return forward(x.redistribute(placements=(Replicate(),)), *args, **kwargs)
+
+        module.forward = gathered_forward
+        return module
+
+
+def _child(module: nn.Module, names: tuple[str, ...]) -> tuple[str, nn.Module] | None:
+    for name in names:
+        child = getattr(module, name, None)
+        if isinstance(child, nn.Module):
+            return name, child
+    return None
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One recognised decoder block: the child names of its attention, MLP and norms."""
+
+    path: str
+    attention: str
+    qkv: tuple[str, ...]
+    out: str
+    mlp: str
+    up: tuple[str, ...]
+    down: str
+    norms: tuple[str, str]
+
+
+def _recognise_block(path: str, block: nn.Module) -> _Block | None:
+    attn, mlp = _child(block, _ATTENTION), _child(block, _MLP)
+    norms = next((pair for pair in _NORMS if all(isinstance(getattr(block, n, None), nn.Module) for n in pair)), None)
+    if attn is None or mlp is None or norms is None:
+        return None
+    qkv = next((names for names in _QKV if all(isinstance(getattr(attn[1], n, None), nn.Linear) for n in names)), None)
+    up = next((names for names in _UP if all(isinstance(getattr(mlp[1], n, None), nn.Linear) for n in names)), None)
+    out, down = _child(attn[1], _OUT), _child(mlp[1], _DOWN)
+    if qkv is None or up is None or out is None or down is None:
+        return None
+    return _Block(path, attn[0], qkv, out[0], mlp[0], up, down[0], norms)
+
+
+def decoder_blocks(model: nn.Module) -> list[_Block]:
+    """The decoder blocks memplan recognises, in module order."""
+    return [b for path, m in model.named_modules() if path and (b := _recognise_block(path, m)) is not None]
+
+
+_HEAD_WORDS = {
+    "num_heads": "attention heads",
+    "n_heads": "attention heads",
+    "num_attention_heads": "attention heads",
+    "num_kv_heads": "key-value heads",
+    "n_kv_heads": "key-value heads",
+    "num_key_value_heads": "key-value heads",
+}
+
+
+def check_heads(where: str, counts: dict[str, int], tp: int) -> None:
+    """Tensor parallel shards whole heads: each count must divide by tp (one-line error naming a --tp that works)."""
+    counts = {k: v for k, v in counts.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0}
+    for attr, count in counts.items():
+        if count % tp:
+            fits = max(d for d in range(1, tp) if all(c % d == 0 for c in counts.values()))
+            raise SpecError(
+                f"--tp {tp} does not divide the {count} {_HEAD_WORDS.get(attr, attr)} of {where}: tensor parallel "
+                f"shards whole heads; use a --tp that divides every head count (e.g. --tp {fits})"
+            )
+
+
+def _memplan_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """torchtitan's layout on the recognised blocks (see the module docstring)."""
+    tp = tp_mesh.size()
+    blocks = decoder_blocks(model)
+    for b in blocks:
+        attention = model.get_submodule(f"{b.path}.{b.attention}")
+        check_heads(f"{b.path}.{b.attention}", {a: getattr(attention, a, None) for a in _HEAD_COUNTS}, tp)
+    seq = Shard(1)
+    top: dict[str, ParallelStyle] = {}
+    if (emb := _child(model, _EMBEDDING)) is not None and isinstance(emb[1], nn.Embedding):
+        top[emb[0]] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sequence_parallel else None)
+    if sequence_parallel and (norm := _child(model, _FINAL_NORM)) is not None:
+        top[norm[0]] = SequenceParallel()
+    if (head := _child(model, _HEAD)) is not None and isinstance(head[1], nn.Linear):
+        top[head[0]] = ColwiseParallel(
+            input_layouts=seq if sequence_parallel else Replicate(), output_layouts=Replicate()
+        )
+    for b in blocks:
+        plan: dict[str, ParallelStyle] = {}
+        for name in b.qkv:
+            plan[f"{b.attention}.{name}"] = ColwiseParallel()
+        for name in b.up:
+            plan[f"{b.mlp}.{name}"] = ColwiseParallel()
+        out_layout = seq if sequence_parallel else None
+        plan[f"{b.attention}.{b.out}"] = RowwiseParallel(output_layouts=out_layout)
+        plan[f"{b.mlp}.{b.down}"] = RowwiseParallel(output_layouts=out_layout)
+        if sequence_parallel:
+            plan[b.norms[0]] = SequenceParallel()
+            plan[b.norms[1]] = SequenceParallel()
+            plan[b.attention] = _ReplicateFirstInput()
+            plan[b.mlp] = _ReplicateFirstInput()
+        parallelize_module(model.get_submodule(b.path), tp_mesh, plan)
+        attention = model.get_submodule(f"{b.path}.{b.attention}")
+        for attr in _HEAD_COUNTS:
+            if isinstance(getattr(attention, attr, None), int):
+                setattr(attention, attr, getattr(attention, attr) // tp)
+    if top:
+        parallelize_module(model, tp_mesh, top)
+
+
+def _hf_plan(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """transformers' own plan, applied by transformers (``apply_tensor_parallelism``)."""
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    tp = tp_mesh.size()
+    text = model.config.get_text_config()
+    attrs = ("num_attention_heads", "num_key_value_heads")
+    check_heads(type(model).__name__, {a: getattr(text, a, None) for a in attrs}, tp)
+    plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=tp))
+    apply_tensor_parallelism(model, tp_mesh, plan)
+
+
+def _has_hf_plan(model: nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "base_model_tp_plan", None)) and hasattr(model, "_resolve_parallel_plans")
+
+
+def _auto_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    if _has_hf_plan(model):
+        _hf_plan(model, tp_mesh)
+        return
+    if not decoder_blocks(model):
+        raise SpecError(
+            f"--tp-plan auto found no decoder blocks memplan recognises in {type(model).__name__} and the model "
+            "ships no tensor-parallel plan; pass --tp-plan PATH.py:FUNC with FUNC(model, tp_mesh) calling "
+            "parallelize_module"
+        )
+    _memplan_plan(model, tp_mesh, sequence_parallel)
+
+
+def _user_plan(spec: str, func: Callable, model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    try:
+        func(model, tp_mesh)
+    except SpecError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise SpecError(
+            f"tp-plan function '{spec}' raised {type(e).__name__}: {first}; fix FUNC(model, tp_mesh) or use "
+            "--tp-plan auto"
+        ) from e
+
+
+def resolve_tp_plan(spec: str, sequence_parallel: bool = True) -> TpPlan:
+    """``auto`` or a ``PATH.py:FUNC`` / ``package.module:FUNC`` spec -> plan(model, tp_mesh)."""
+    if spec == "auto":
+        return partial(_auto_plan, sequence_parallel=sequence_parallel)
+    if ":" not in spec:
+        raise SpecError(f"--tp-plan must be auto, PATH.py:FUNC or package.module:FUNC, got '{spec}'")
+    func_name = spec.rpartition(":")[2]
+    try:  # the spec loader imports the file or module and finds FUNC
+        func = resolve_spec(spec).builder
+    except SpecError as e:
+        raise SpecError(
+            "--tp-plan: " + str(e).replace(f"{func_name}(batch_size=B, seq_len=S)", f"{func_name}(model, tp_mesh)")
+        ) from e
+    return partial(_user_plan, spec, func)
+
+
+def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: TpPlan) -> nn.Module:
+    """Shard `model` in place over `tp_mesh` with `plan`; returns the model."""
+    plan(model, tp_mesh)
+    return model

@@ -1,0 +1,202 @@
+"""Tensor parallel (+ sequence parallel) and TP × FSDP2: per-rank traces on fake tensors under a
+fake process group, and the same layouts measured on CPU gloo ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from cli_helpers import assert_user_error, run
+from tp_ranks import run_on_ranks
+
+from planner.config import TrainConfig
+from planner.errors import SpecError
+from planner.simulation.layout import simulate_ranks
+from planner.tracing.recorder import trace
+
+HERE = Path(__file__).parent
+TITAN = f"{HERE / 'tp_models.py'}:titan_small"
+TITAN_UNEVEN = f"{HERE / 'tp_models.py'}:titan_uneven_vocab"
+HF_LLAMA = f"hf:{HERE / 'data' / 'tiny_llama' / 'config.json'}"
+SPECS = {"titan": TITAN, "hf-llama": HF_LLAMA, "memplan-llama": "llama-7b-tiny"}
+TOLERANCE = 0.01  # the issue asks for 3% and aims at 1%
+
+
+def _config(**layout) -> TrainConfig:
+    return TrainConfig(batch_size=2, seq_len=128, gpu="cpu", **layout)
+
+
+def test_tp_shards_model_states_and_lists_every_rank():
+    single = simulate_ranks("llama-7b-tiny", _config(tp=2)).to_dict()
+    assert [r["ranks"] for r in single["ranks"]] == [[0, 1]]
+    assert single["layout"]["world_size"] == 2 and single["worst_rank"] == 0
+    from planner.api import simulate_model
+
+    plain = simulate_model("llama-7b-tiny", _config()).to_dict()
+    # parameters halve except the replicated norms (5 × hidden 128 fp32)
+    norms = 5 * 128 * 4
+    assert single["model_states"]["parameter"] == (plain["model_states"]["parameter"] - norms) // 2 + norms
+    assert single["peak_bytes"] < plain["peak_bytes"]
+    assert not dist.is_initialized()  # the fake process group is gone
+
+
+def test_fake_process_group_does_not_leak_into_later_traces():
+    before = trace("llama-7b-tiny", batch_size=2, seq_len=64)
+    simulate_ranks("llama-7b-tiny", TrainConfig(batch_size=2, seq_len=64, tp=2))
+    after = trace("llama-7b-tiny", batch_size=2, seq_len=64)
+    assert len(before.ops) == len(after.ops)
+    assert sum(t.nbytes for t in before.tensors.values()) == sum(t.nbytes for t in after.tensors.values())
+
+
+def test_sequence_parallel_gathers_and_scatters_and_no_sp_all_reduces():
+    from planner.tracing.parallel.rank_trace import trace_tp_rank
+
+    sp, _ = trace_tp_rank("llama-7b-tiny", _config(tp=2), 0, lifetimes=False)
+    no_sp, _ = trace_tp_rank("llama-7b-tiny", _config(tp=2, sequence_parallel=False), 0, lifetimes=False)
+    names = {op.name for op in sp.ops}
+    assert "_c10d_functional.all_gather_into_tensor.default" in names
+    assert "_c10d_functional.reduce_scatter_tensor.default" in names
+    assert "_c10d_functional.all_reduce.default" in {op.name for op in no_sp.ops}
+    assert (
+        simulate_ranks("llama-7b-tiny", _config(tp=2)).peak_bytes
+        < simulate_ranks("llama-7b-tiny", _config(tp=2, sequence_parallel=False)).peak_bytes
+    )
+
+
+def test_uneven_vocab_makes_two_roles():
+    layout = simulate_ranks(TITAN_UNEVEN, _config(tp=2)).to_dict()
+    assert [r["ranks"] for r in layout["ranks"]] == [[0], [1]]
+    assert layout["peak_bytes"] == max(r["peak_bytes"] for r in layout["ranks"])
+
+
+def test_tp_inside_fsdp2_is_one_role_over_all_ranks():
+    layout = simulate_ranks(TITAN, _config(tp=2, dp=2, zero_stage=3)).to_dict()
+    assert [r["ranks"] for r in layout["ranks"]] == [[0, 1, 2, 3]]
+    assert layout["peak_bytes"] < simulate_ranks(TITAN, _config(tp=2)).peak_bytes
+
+
+def test_user_plan_function(tmp_path):
+    plan_file = tmp_path / "plan.py"
+    plan_file.write_text(
+        "from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module\n"
+        "def plan(model, tp_mesh):\n"
+        "    for block in model.layers:\n"
+        "        parallelize_module(block.feed_forward, tp_mesh, {'w1': ColwiseParallel(), 'w3': ColwiseParallel(),"
+        " 'w2': RowwiseParallel()})\n"
+    )
+    mlp_only = simulate_ranks(TITAN, _config(tp=2, tp_plan=f"{plan_file}:plan"))
+    auto = simulate_ranks(TITAN, _config(tp=2))
+    from planner.api import simulate_model
+
+    assert auto.peak_bytes < mlp_only.peak_bytes < simulate_model(TITAN, _config()).peak_bytes
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (["--model", "llama-7b-tiny", "--tp", "3"], ("--tp 3 does not divide the 4 attention heads", "--tp 2")),
+        (["--model", "mlp-tiny", "--tp", "2"], ("found no decoder blocks", "--tp-plan PATH.py:FUNC")),
+        (["--model", HF_LLAMA, "--tp", "4"], ("2 key-value heads",)),
+    ],
+)
+def test_layout_errors_are_one_line(capsys, argv, needles):
+    code, _, err = run(["simulate", "--gpu", "cpu", "--seq-len", "64", *argv], capsys)
+    assert_user_error(code, err, "simulate", *needles)
+
+
+def test_plan_function_that_raises_is_one_line(capsys, tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def plan(model, tp_mesh):\n    raise RuntimeError('boom')\n")
+    code, _, err = run(
+        [
+            "simulate",
+            "--gpu",
+            "cpu",
+            "--seq-len",
+            "64",
+            "--model",
+            "llama-7b-tiny",
+            "--tp",
+            "2",
+            "--tp-plan",
+            f"{bad}:plan",
+        ],
+        capsys,
+    )
+    assert_user_error(code, err, "simulate", "raised RuntimeError: boom")
+    assert not dist.is_initialized()
+    with pytest.raises(SpecError, match="has no function 'nope'"):
+        simulate_ranks("llama-7b-tiny", _config(tp=2, tp_plan=f"{bad}:nope"))
+
+
+def test_cli_json_has_ranks(capsys, tmp_path):
+    out = tmp_path / "tp.json"
+    code, stdout, _ = run(
+        [
+            "simulate",
+            "--gpu",
+            "cpu",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "64",
+            "--model",
+            TITAN_UNEVEN,
+            "--tp",
+            "2",
+            "--json",
+            str(out),
+        ],
+        capsys,
+    )
+    assert code == 0
+    import json
+
+    result = json.loads(out.read_text())
+    assert {tuple(r["ranks"]) for r in result["ranks"]} == {(0,), (1,)}
+    assert f"worst rank {result['worst_rank']}" in stdout
+    for role in result["ranks"]:
+        assert set(role) >= {"ranks", "coords", "peak_bytes", "peak_op", "peak_phase", "breakdown_at_peak"}
+
+
+# ---------------------------------------------------------------------------------------- gloo ranks
+
+TP_CASES = {**SPECS, "titan-uneven": TITAN_UNEVEN}
+PLAN_SPECS = {"titan-plan": TITAN, "memplan-llama-plan": "llama-7b-tiny"}
+PLAN_FRACTION = 0.85  # budget: this much of the no-plan peak of the worst rank
+
+
+def _by_rank(layout) -> list[int]:
+    by_rank = {r: role.peak_bytes for role in layout.roles for r in role.ranks}
+    return [by_rank[r] for r in range(layout.config.world_size)]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("layout", "cases"),
+    [({"tp": 2}, TP_CASES), ({"tp": 2, "dp": 2, "zero_stage": 3}, SPECS)],
+    ids=["tp2-sp", "tp2xfsdp2"],
+)
+def test_per_rank_peak_and_plans_match_gloo_ranks(layout, cases):
+    """Each rank's measured peak within 1% of its prediction; plans solved for the worst rank keep
+    every rank within the budget with gradients allclose to one process."""
+    from planner.api import plan_model
+
+    config = _config(**layout)
+    predicted = {key: _by_rank(simulate_ranks(spec, config)) for key, spec in cases.items()}
+    runs = [(key, spec, config, None) for key, spec in cases.items()]
+    budgets = {}
+    for key, spec in PLAN_SPECS.items():
+        budgets[key] = int(PLAN_FRACTION * simulate_ranks(spec, config).peak_bytes)
+        plan, _, _ = plan_model(spec, config, budgets[key], time_limit_s=5.0)
+        predicted[key] = _by_rank(simulate_ranks(spec, config, plan))
+        runs.append((key, spec, config, plan.to_dict()))
+    measured = run_on_ranks(runs, config.world_size)
+    for key, want in predicted.items():
+        peaks, grad_error = measured[key]
+        for rank, (w, got) in enumerate(zip(want, peaks)):
+            assert abs(w - got) <= TOLERANCE * got, (key, rank, w, got)
+            assert key not in budgets or got <= budgets[key] * (1 + TOLERANCE), (key, rank, got, budgets[key])
+        assert grad_error == 0.0, (key, grad_error)

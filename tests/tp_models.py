@@ -1,0 +1,93 @@
+"""Test-only: a small torchtitan-style decoder (tok_embeddings, attention.wq/wk/wv/wo,
+feed_forward.w1/w2/w3, attention_norm/ffn_norm, norm, output), written as torchtitan writes it
+(heads from the local width: ``view(bs, seqlen, -1, head_dim)``), not for the simulator."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq, xk = rotary(xq, freqs_cis), rotary(xk, freqs_cis)
+        n_rep = xq.shape[2] // xk.shape[2]
+        xk, xv = xk.repeat_interleave(n_rep, dim=2), xv.repeat_interleave(n_rep, dim=2)
+        out = F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+def rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * freqs_cis[None, :, None, :]).flatten(3).type_as(x)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, hidden: int) -> None:
+        super().__init__()
+        self.attention = Attention(dim, n_heads, n_kv_heads)
+        self.feed_forward = FeedForward(dim, hidden)
+        self.attention_norm = nn.RMSNorm(dim, eps=1e-5)
+        self.ffn_norm = nn.RMSNorm(dim, eps=1e-5)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, vocab: int, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, hidden: int) -> None:
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(TransformerBlock(dim, n_heads, n_kv_heads, hidden) for _ in range(n_layers))
+        self.norm = nn.RMSNorm(dim, eps=1e-5)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        seqlen = tokens.shape[1]
+        freqs = 1.0 / (10000.0 ** (torch.arange(0, self.head_dim, 2, device=tokens.device).float() / self.head_dim))
+        freqs_cis = torch.polar(torch.ones(seqlen, freqs.numel()), torch.outer(torch.arange(seqlen).float(), freqs))
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, freqs_cis)
+        logits = self.output(self.norm(h))
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def titan_small(batch_size: int, seq_len: int):
+    """2 layers, dim 128, 8 query / 4 key-value heads, vocab 512."""
+    model = Transformer(512, 128, 2, 8, 4, 384)
+    tokens = torch.randint(0, 512, (batch_size, seq_len))
+    return model, (tokens, torch.roll(tokens, -1, dims=1))
+
+
+def titan_uneven_vocab(batch_size: int, seq_len: int):
+    """titan_small with a vocabulary of 509: TP shards of the embeddings and head are uneven."""
+    model = Transformer(509, 128, 2, 8, 4, 384)
+    tokens = torch.randint(0, 509, (batch_size, seq_len))
+    return model, (tokens, torch.roll(tokens, -1, dims=1))
