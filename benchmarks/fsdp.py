@@ -3,7 +3,7 @@ tensors, and a real run on 2 gloo CPU ranks, side by side.
 
 Each model is sharded as memplan predicts it (``fully_shard`` per block, then the root), fp32
 AdamW, steady-state step (after a warm-up, gradients set to None). The real run counts live
-tensor bytes per rank (planner.distributed.shard.ShardedBytesTracker); FSDPMemTracker runs the
+tensor bytes per rank (planner.runtime.shard.ShardedBytesTracker); FSDPMemTracker runs the
 same steps on fake tensors over a fake process group of 2 ranks.
 """
 
@@ -20,9 +20,9 @@ import torch.multiprocessing as mp
 from benchmarks.common import Options, pct, print_table
 from planner.api import trace_for
 from planner.config import TrainConfig
-from planner.distributed.fsdp import fsdp_units
-from planner.distributed.shard import measure_sharded_step, shard_model
+from planner.runtime.shard import measure_sharded_step, shard_model
 from planner.runtime.verify import make_optimizer
+from planner.simulation.fsdp import fsdp_units
 from planner.simulation.step import simulate
 from planner.tracing.recorder import loss_of, run_step_inputs
 from planner.tracing.specs import resolve_spec
@@ -62,10 +62,9 @@ def _measure_worker(rank: int, init_file: str, cases: list, out) -> None:
 
 def _tracker_worker(cases: list, out) -> None:
     """FSDPMemTracker's peak for each case, on fake tensors over a fake 2-rank process group."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from memplan_compat import FakeStore, FakeTensorMode, FSDPMemTracker
 
     dist.init_process_group("fake", rank=0, world_size=WORLD_SIZE, store=FakeStore())
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))

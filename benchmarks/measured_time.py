@@ -42,12 +42,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch._functorch import config as functorch_config
 
 from benchmarks.common import Options, gb, pct, print_table, to_jsonable
 from benchmarks.quiet import timed_quiet
 from costmodels.calibration import FULL, QUICK, calibrate
 from costmodels.hardware import profile_dict
+from memplan_compat import functorch_config
 from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget
 from planner.plans.format import Plan

@@ -14,10 +14,10 @@ from collections import Counter, defaultdict
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
 from costmodels.flops import op_bytes_accessed, op_flops
 from costmodels.runtime import op_time_s
+from memplan_compat import tree_flatten, tree_map
 from planner.tracing.recorder import loss_of, run_step_inputs
 from planner.tracing.specs import resolve_spec
 
@@ -139,11 +139,9 @@ def _untie(model: nn.Module) -> None:
 def partition(spec: str, batch_size: int, seq_len: int, budget: float | None) -> dict:
     """One real forward+backward through aot_module; budget None = default_partition (no remat)."""
     from functorch.compile import aot_module, make_boxed_func
-    from torch._functorch import config as fconfig
-    from torch._functorch.partitioners import (
-        default_partition,
-        min_cut_rematerialization_partition,
-    )
+
+    from memplan_compat import default_partition, min_cut_rematerialization_partition
+    from memplan_compat import functorch_config as fconfig
 
     torch.manual_seed(0)
     model, inputs = resolve_spec(spec).build(batch_size=batch_size, seq_len=seq_len)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.common import (
@@ -26,6 +25,7 @@ from benchmarks.mincut import partition, recompute_flops, recompute_time_s
 from benchmarks.models import spec
 from costmodels.flops import op_flops
 from costmodels.hardware import get_device
+from memplan_compat import TorchDispatchMode
 from planner.api import trace_for
 from planner.config import TrainConfig
 from planner.runtime.apply import apply_plan

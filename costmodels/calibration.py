@@ -34,12 +34,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from costmodels.flops import op_flops
 from costmodels.hardware import DeviceSpec, get_device
 from costmodels.runtime import BANDWIDTH_EFFICIENCY, COMPUTE_EFFICIENCY
+from memplan_compat import TorchDispatchMode
 
 __all__ = ["CalibrationSizes", "QUICK", "FULL", "Calibration", "calibrate"]
 

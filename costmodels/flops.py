@@ -12,8 +12,9 @@ import math
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
+
+from memplan_compat import tree_flatten
 
 # Ops that produce data without arithmetic: factories, fills and copies (name of the packet).
 _ZERO_FLOP_NAMES = frozenset(

@@ -22,10 +22,10 @@ import torch.distributed as dist
 from planner import apply_plan, load_plan, resolve_spec, simulate, solve
 from planner.api import trace_for
 from planner.config import TrainConfig
-from planner.distributed.fsdp import fsdp_units
-from planner.distributed.shard import measure_sharded_step, shard_model
 from planner.errors import InfeasibleBudget
+from planner.runtime.shard import measure_sharded_step, shard_model
 from planner.runtime.verify import make_optimizer
+from planner.simulation.fsdp import fsdp_units
 from planner.tracing.recorder import loss_of, run_step_inputs
 from planner.units import format_bytes
 

@@ -65,4 +65,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(PRIVATE_APIS))
-

@@ -2,7 +2,7 @@
 
 A case is (key, builder name in models_for_tests, TrainConfig, plan dict or None, unit paths).
 Each rank builds the model from the same seed, applies the plan (if any), shards it with
-planner.distributed.shard_model, checks its first step's gradients against an unsharded copy
+planner.runtime.shard_model, checks its first step's gradients against an unsharded copy
 (plan cases) and measures a steady-state step.
 """
 
@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from planner import apply_plan, load_plan
-from planner.distributed.shard import measure_sharded_step, shard_model
+from planner.runtime.shard import measure_sharded_step, shard_model
 from planner.tracing.recorder import loss_of, run_step_inputs
 
 WORLD_SIZE = 2

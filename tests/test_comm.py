@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from costmodels.hardware import get_device
 from planner.config import TrainConfig
-from planner.distributed.comm import BlockTimes, fsdp_communication, fsdp_schedule
+from planner.simulation.comm import BlockTimes, fsdp_communication, fsdp_schedule
 from planner.simulation.costs import op_times
 from planner.tracing.recorder import trace
 

@@ -14,8 +14,8 @@ from fsdp_ranks import WORLD_SIZE, run_on_ranks
 
 from planner.api import trace_for
 from planner.config import TrainConfig
-from planner.distributed.fsdp import fsdp_buffers, fsdp_units, padded_bytes
 from planner.errors import InfeasibleBudget
+from planner.simulation.fsdp import fsdp_buffers, fsdp_units, padded_bytes
 from planner.simulation.step import simulate
 from planner.solver.planning import solve
 

@@ -24,16 +24,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
 
+from memplan_compat import is_fake, tree_leaves
 from planner.plans.decisions import ModulePlan, OpKeys, module_plans
-from planner.plans.format import CompiledPlan, Plan, PlanLadder, load_plan
+from planner.plans.format import CompiledPlan, Plan, PlanLadder, StagePlans, load_plan
 from planner.plans.identity import check_plan_matches
 from planner.runtime import cleanup
 from planner.runtime.compiled import CompiledBlocks, compile_blocks
@@ -463,19 +462,26 @@ class PlanHandle:
 
 def apply_plan(
     model: nn.Module,
-    plan_or_path: Plan | PlanLadder | CompiledPlan | str | Path,
+    plan_or_path: Plan | PlanLadder | CompiledPlan | StagePlans | str | Path,
     *,
     spill_dir: str | Path | None = None,
     compile_backend: str = "inductor",
+    stage: int | None = None,
 ) -> PlanHandle | CompiledBlocks:
     """Make `model` follow a plan (or a ladder of plans); returns the handle that undoes it.
 
     A compiled plan runs each block under torch.compile (`compile_backend`) with its own
     activation_memory_budget.
     `spill_dir` is where disk offload writes (a fresh `memplan-spill-*` folder is made in it,
-    default the system temp dir). Raises ValueError when the plan is for a different model.
+    default the system temp dir). Stage plans (``memplan plan --pp``) apply the plan of pipeline
+    stage `stage` to `model`, the module that runs that stage (planner.runtime.stage_plans).
+    Raises ValueError when the plan is for a different model.
     """
     plan = load_plan(plan_or_path) if isinstance(plan_or_path, (str, Path)) else plan_or_path
+    if isinstance(plan, StagePlans):
+        from planner.runtime.stage_plans import stage_plan_for_module
+
+        plan = stage_plan_for_module(model, plan, stage)
     if isinstance(plan, CompiledPlan):
         check_plan_matches(plan, model)
         return compile_blocks(model, plan.budgets, compile_backend)

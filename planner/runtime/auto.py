@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
 
 from costmodels.hardware import DEVICES
+from memplan_compat import tree_leaves, tree_map
 from planner.budgets import parse_budget
 from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget, MemplanError

@@ -26,12 +26,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._dynamo import config as dynamo_config
-from torch._functorch import config as functorch_config
-from torch._inductor import config as inductor_config
 from torch.profiler import ProfilerActivity, profile
-from torch.profiler._memory_profiler import Action
 
+from memplan_compat import ProfilerMemoryAction as Action
+from memplan_compat import dynamo_config, functorch_config, inductor_config
 from planner.config import TrainConfig
 from planner.runtime.tracker import LiveBytesTracker
 from planner.runtime.verify import Measurement, run_training_step, track_step_start, warmed_up

@@ -9,9 +9,9 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
-from torch.distributed._tools.mod_tracker import ModTracker
 
 from costmodels.memory import get_precision
+from memplan_compat import ModTracker
 from planner.config import TrainConfig
 from planner.errors import MemplanError, PlanFileError
 from planner.plans.format import Decision, Plan

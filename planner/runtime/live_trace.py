@@ -15,12 +15,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_leaves, tree_map
 
 from costmodels.memory import get_precision
+from memplan_compat import FakeTensor, FakeTensorMode, tree_leaves, tree_map
+from memplan_compat import disable_current_modes as _disable_current_modes
 from planner.errors import MemplanError, TraceError
 from planner.runtime.apply import batch_seq_len
 from planner.tracing.graph import OpGraph

@@ -37,9 +37,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_leaves
 
+from memplan_compat import disable_current_modes as _disable_current_modes
+from memplan_compat import tree_leaves
 from planner.budgets import usable_bytes
 from planner.errors import InfeasibleBudget, MemplanError
 from planner.runtime.apply import batch_seq_len

@@ -17,13 +17,13 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from costmodels.memory import get_precision
+from memplan_compat import is_traceable_wrapper_subclass
 from planner.config import TrainConfig
-from planner.distributed.shard import ShardedBytesTracker, measure_sharded_step, shard_model
 from planner.plans.format import load_plan
 from planner.runtime.apply import apply_plan
+from planner.runtime.shard import ShardedBytesTracker, measure_sharded_step, shard_model
 from planner.runtime.verify import Measurement
 from planner.tracing.blocks import find_region_paths
 from planner.tracing.hf import disable_kv_cache

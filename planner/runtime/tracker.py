@@ -5,8 +5,8 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from memplan_compat import TorchDispatchMode, tree_leaves
 
 __all__ = ["LiveBytesTracker"]
 

@@ -3,7 +3,7 @@ timeline per distinct role (planner/simulation/ranks.py).
 
 Each role is traced on fake tensors under a fake process group with the TP plan applied
 (planner/tracing/parallel); ``--dp M --zero 3`` adds FSDP2's per-rank buffers over the local
-shards the trace holds (planner/distributed/fsdp.py), composed as torchtitan composes them (TP,
+shards the trace holds (planner/simulation/fsdp.py), composed as torchtitan composes them (TP,
 then checkpointing, then ``fully_shard`` per block and root).
 """
 

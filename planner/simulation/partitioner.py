@@ -32,20 +32,23 @@ from typing import Any
 import torch
 from functorch.compile import aot_function, make_boxed_func
 from torch import nn
-from torch._functorch import config as functorch_config
-from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._guards import detect_fake_mode
-from torch._inductor import config as inductor_config
-from torch._inductor import memory as inductor_memory
-from torch._inductor.compile_fx import compile_fx_inner
-from torch._inductor.decomposition import select_decomp_table
-from torch._inductor.ir import IRNode
-from torch._inductor.virtualized import V
-from torch.utils._pytree import tree_flatten, tree_map
 
 from costmodels.flops import op_bytes_accessed, op_flops
 from costmodels.hardware import DeviceSpec
 from costmodels.runtime import BANDWIDTH_EFFICIENCY, op_time_s
+from memplan_compat import (
+    IRNode,
+    V,
+    compile_fx_inner,
+    detect_fake_mode,
+    functorch_config,
+    inductor_config,
+    inductor_memory,
+    min_cut_rematerialization_partition,
+    select_decomp_table,
+    tree_flatten,
+    tree_map,
+)
 from planner.plans.format import CompiledPoint
 from planner.tracing.op_classes import EXTERN_KERNEL_OPS
 

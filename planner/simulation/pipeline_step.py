@@ -17,7 +17,7 @@ where they live, as ``torch.distributed.pipelining`` (stage.py, torch 2.13) keep
 - parameters, buffers and optimizer states of the stage's modules; gradients are allocated by
   the first microbatch's backward and accumulated into by the others (a transient per op);
 - the batch's inputs (ids on the first stage, labels on the last) are the whole batch;
-- FSDP2 (``--zero 3 --dp N``): the buffers of planner.distributed.fsdp at each replayed op.
+- FSDP2 (``--zero 3 --dp N``): the buffers of planner.simulation.fsdp at each replayed op.
 
 The last stage's outputs are not kept for the caller (``schedule.step(..., return_outputs=False)``,
 as torchtitan runs it).
@@ -33,7 +33,7 @@ import numpy as np
 from costmodels.hardware import get_device
 from costmodels.memory import get_precision, model_state_bytes
 from planner.config import TrainConfig
-from planner.distributed.fsdp import fsdp_buffers
+from planner.simulation.fsdp import fsdp_buffers
 from planner.simulation.costs import StepCosts, category_scale, storage_bytes
 from planner.simulation.pipeline_schedule import PipelineAction, PipelineSchedule
 from planner.simulation.pipeline_split import StageCut, op_stages, weight_gradient_ops

@@ -21,9 +21,8 @@ from costmodels.hardware import get_device
 from costmodels.memory import ModelStates
 from costmodels.runtime import checkpoint_host_s
 from planner.config import TrainConfig
-from planner.distributed.comm import step_communication
-from planner.distributed.fsdp import fsdp_buffers
 from planner.errors import TraceError
+from planner.simulation.comm import step_communication
 from planner.simulation.costs import (
     StepCosts,
     category_scale,
@@ -42,6 +41,7 @@ from planner.simulation.effects import (
     exposed_transfer_s,
     storage_events,
 )
+from planner.simulation.fsdp import fsdp_buffers
 from planner.tracing.graph import CATEGORIES, OpGraph
 
 __all__ = ["Timeline", "simulate", "step_events"]
@@ -119,7 +119,7 @@ class _Memory:
 def _block_transients(graph: OpGraph, config: TrainConfig, scale: dict[str, float]) -> dict[int, dict[str, int]]:
     """Op index -> extra bytes of sharding buffers while a block runs.
 
-    ZeRO-3 is FSDP2 as it runs (planner/distributed/fsdp.py: all-gather and reduce-scatter
+    ZeRO-3 is FSDP2 as it runs (planner/simulation/fsdp.py: all-gather and reduce-scatter
     buffers, prefetch, the root unsharded through the step). ZeRO-2 (DeepSpeed-style) assumes each
     block's gradients stay unsharded from when its backward produces them until its backward ends
     and they are reduce-scattered in one bucket per block, with no buffer of its own (the simulator

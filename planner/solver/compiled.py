@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from ortools.sat.python import cp_model
 from torch import nn
-from torch._subclasses import FakeTensorMode
 
 from costmodels.hardware import DeviceSpec, get_device
+from memplan_compat import FakeTensorMode
 from planner.budgets import parse_budget
 from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget, SolverTimeout, SpecError, TraceError

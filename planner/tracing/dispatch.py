@@ -11,13 +11,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._sharding_prop import ShardingPropagator
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from costmodels.flops import op_bytes_accessed, op_flops
+from memplan_compat import ModTracker, ShardingPropagator, TorchDispatchMode, tree_leaves
 from planner.errors import TraceError
 from planner.tracing.graph import OpNode
 

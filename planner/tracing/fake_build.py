@@ -7,9 +7,9 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from torch import nn
-from torch._subclasses import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from memplan_compat import FakeTensorMode
 from planner.tracing.hf import disable_kv_cache, eager_transformers, skip_init
 from planner.tracing.moe import RoutingAssumption
 from planner.tracing.shadow import ShadowMode

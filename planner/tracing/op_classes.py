@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch._ops import OpOverload
+
+from memplan_compat import OpOverload
 
 __all__ = [
     "ATTENTION_BACKWARD_OPS",

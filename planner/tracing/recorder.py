@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from costmodels.memory import get_precision
+from memplan_compat import tree_leaves
 from planner.config import TrainConfig
 from planner.errors import SpecError, TraceError
 from planner.tracing.blocks import (

@@ -19,12 +19,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch._subclasses import FakeTensor, FakeTensorMode
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memplan_compat import FakeTensor, FakeTensorMode, TorchDispatchMode, tree_leaves, tree_map
+from memplan_compat import disable_current_modes as _disable_current_modes
 from planner.errors import TraceError
 
 __all__ = ["ShadowMode", "source_line"]

@@ -46,7 +46,7 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
     """A fake process group (no communication; collectives return buffers of the right size)
     as the default group while inside; destroyed on exit, so it leaks into no later trace, and
     DTensor's sharding caches are cleared on the way in and out."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from memplan_compat import FakeStore
 
     if dist.is_initialized():
         raise TraceError(

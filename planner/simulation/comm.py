@@ -19,7 +19,7 @@ import numpy as np
 from costmodels.hardware import DeviceSpec
 from costmodels.runtime import collective_time_s
 from planner.config import TrainConfig
-from planner.distributed.fsdp import fsdp_itemsizes
+from planner.simulation.fsdp import fsdp_itemsizes
 from planner.tracing.graph import OpGraph
 
 __all__ = ["BlockTimes", "CommSchedule", "fsdp_communication", "fsdp_schedule", "step_communication"]
