@@ -37,9 +37,9 @@ def gpt_small(batch_size: int, seq_len: int):
 
 
 def resnet_small(batch_size: int, seq_len: int):
-    """ResNet-ish: 2 stages of 3 blocks, 16 channels; seq_len is the image side. The strided 1x1
+    """ResNet-ish: 2 stages of 3 blocks, 16-32 channels; seq_len is the image side. The strided 1x1
     shortcut has 16 input channels: fewer reach oneDNN's faulty kernel (docs/safety.md)."""
-    config = ConvNetConfig(channels=(16, 16), blocks=(3, 3), num_classes=10)
+    config = ConvNetConfig(channels=(16, 32), blocks=(3, 3), num_classes=10)
     images = torch.randn(batch_size, 3, seq_len, seq_len)
     return ConvNet(config), (images, torch.randint(0, 10, (batch_size,)))
 
