@@ -108,6 +108,11 @@ class TrainConfig:
         return self.pp * self.dp * self.cp * self.tp
 
     @property
+    def layout_flags(self) -> str:
+        """The tensor and pipeline parallel flags of this layout ('--tp 2 --pp 4'), '' for data parallel."""
+        return " ".join(f"--{name} {getattr(self, name)}" for name in ("tp", "pp") if getattr(self, name) > 1)
+
+    @property
     def num_microbatches(self) -> int:
         return self.microbatches if self.microbatches is not None else self.pp
 
@@ -132,6 +137,11 @@ class TrainConfig:
         for name in ("tp_plan", "ep_plan"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
                 raise ValueError(f"--{name.replace('_', '-')} must be auto, PATH.py:FUNC or package.module:FUNC")
+        for name, what in (("cp", "context parallel"), ("ep", "expert parallel")):
+            if getattr(self, name) > 1:
+                raise ValueError(
+                    f"{what} (--{name}) is not modelled yet; memplan simulates --tp, --pp and --dp/--zero layouts"
+                )
         if (self.dp * self.cp) % self.ep:
             raise ValueError(
                 f"--ep {self.ep} must divide --dp × --cp ({self.dp} × {self.cp}): expert parallel borrows "

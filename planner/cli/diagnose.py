@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from planner.cli import report
 from planner.cli.guard import guarded_imports
-from planner.cli.options import add_model_options, config_from_args, write_json
+from planner.cli.options import add_model_options, config_from_args, refuse_layout, write_json
 from planner.config import DEFAULT_TIME_LIMIT_S
 from planner.safe_io import clean  # snapshot text (pools, frames) may carry escape sequences
 from planner.units import format_bytes
@@ -79,6 +79,7 @@ def run(args) -> None:
     if not args.model:
         raise ValueError(_NEEDS_INPUT)
     config = config_from_args(args)
+    refuse_layout(config, "diagnose")
     with guarded_imports():
         from planner.analysis.diagnose import diagnose
     d = diagnose(args.model, config, time_limit_s=args.time_limit)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from costmodels.hardware import get_device
 from planner.cli import report
 from planner.cli.guard import guarded_imports
-from planner.cli.options import add_model_options, config_from_args, positive_int, write_json
+from planner.cli.options import add_model_options, config_from_args, positive_int, refuse_layout, write_json
 from planner.config import DEFAULT_RESERVE, DEFAULT_TIME_LIMIT_S
 from planner.units import format_bytes
 
@@ -43,10 +43,7 @@ def run(args) -> None:
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be a positive integer, got {value}")
     config = config_from_args(args)
-    if config.pp > 1:
-        raise ValueError(
-            f"memplan fit does not weigh pipelines yet; simulate them with memplan simulate --pp {config.pp}"
-        )
+    refuse_layout(config, "fit")
     capacity = get_device(config.gpu).memory_bytes
     with guarded_imports():
         from planner.analysis.fit import fit, largest_fitting
