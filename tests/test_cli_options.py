@@ -79,3 +79,20 @@ def test_blocks_glob_and_bad_trace_options_are_one_line(tmp_path, capsys):
     assert_user_error(code, err, "simulate", "--blocks 'decoder.*' matches no module")
     code, _, err = run(["simulate", "--model", ATTRIBUTE_LAYERS, "--moe-imbalance", "0.5"], capsys)
     assert_user_error(code, err, "simulate", "imbalance")
+
+
+def test_layouts_memplan_does_not_model_are_refused_in_one_line(capsys):
+    base = ["--model", "gpt2-tiny", "--batch-size", "2", "--seq-len", "32"]
+    cases = [
+        (["simulate", *base, "--cp", "2", "--dp", "2"], "--cp"),
+        (["plan", *base, "--ep", "2", "--dp", "2", "--out", "unused.json"], "--ep"),
+        (["fit", *base, "--tp", "2"], "memplan simulate --tp 2"),
+        (["diagnose", *base, "--pp", "2"], "memplan simulate --pp 2"),
+        (["simulate", *base, "--pp", "2", "--pp-schedule", "zero-bubble"], "--pp-schedule"),
+        (["simulate", *base, "--pp", "2", "--pp-split", "1,2,3"], "--pp-split"),
+        (["simulate", *base, "--pp", "2", "--microbatches", "4"], "--microbatches"),
+        (["simulate", *base, "--tp", "2", "--dp", "3", "--ep", "2"], "--ep"),
+    ]
+    for argv, needle in cases:
+        code, _, err = run(argv, capsys)
+        assert_user_error(code, err, argv[0], needle)
