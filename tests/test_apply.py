@@ -368,6 +368,7 @@ def test_batch_seq_len_reads_first_2d_tensor() -> None:
 # ---------------------------------------------------------------- torch.compile
 
 
+@pytest.mark.compile
 def test_compiled_planned_model_same_gradients() -> None:
     spec = "llama-7b-tiny"
     ref_model, inputs = build(spec)

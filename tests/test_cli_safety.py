@@ -113,6 +113,7 @@ def _spawn(*argv: str) -> subprocess.Popen:
     return subprocess.Popen([MEMPLAN, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_imports_or_later_is_one_line_and_130() -> None:
     proc = _spawn("simulate", "--model", "llama-7b", "--seq-len", "4096")
     time.sleep(0.5)  # torch is still importing

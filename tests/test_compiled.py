@@ -310,6 +310,7 @@ def test_whole_model_compiled_peak_is_predicted(build, below):
     assert abs(error) <= 0.04, (plan.budgets, plan.predicted.peak_bytes, scratch, measured.peak_bytes)
 
 
+@pytest.mark.compile
 def test_compiled_plan_file_is_validated(tmp_path):
     spec, config = f"{PATH}:gpt_small", TrainConfig(batch_size=BATCH, seq_len=SEQ)
     plan = plan_compiled(spec, config, 10**12, budgets=(1.0, 0.0))

@@ -31,6 +31,7 @@ def report():
     return cheapest_configuration(graph, CONFIG, BUDGET, max_gpus=64, time_limit_s=2.0, micro_batches=1)
 
 
+@pytest.mark.slow
 def test_recommendation_is_the_fewest_gpu_hours_among_what_fits(report):
     fitting = [c for c in report.configurations if c.fits]
     assert fitting and report.recommended in fitting

@@ -54,6 +54,7 @@ def test_oom_iteration_names_the_peak_and_the_longest_fitting_sequence(oom_itera
     assert str(seq) in d.summary
 
 
+@pytest.mark.slow
 def test_remedies_are_simulated_and_ranked(oom_iteration: Diagnosis) -> None:
     remedies = oom_iteration.remedies
     names = {r.name for r in remedies}

@@ -73,6 +73,7 @@ def test_buckets_are_planned_as_intended(ladder_setup) -> None:
     assert all(p.predicted.peak_bytes <= budget for p in plans.values())
 
 
+@pytest.mark.slow
 def test_ladder_keeps_every_length_under_the_budget(ladder_setup) -> None:
     budget, peaks, plans = ladder_setup
     ladder = PlanLadder(buckets=tuple((s, plans[s]) for s in LENGTHS))
@@ -86,6 +87,7 @@ def test_ladder_keeps_every_length_under_the_budget(ladder_setup) -> None:
     assert plain > budget  # the longest length really needs the plan
 
 
+@pytest.mark.slow
 def test_short_batches_recompute_less_than_the_longest_plan(ladder_setup) -> None:
     _, _, plans = ladder_setup
     ladder = PlanLadder(buckets=tuple((s, plans[s]) for s in LENGTHS))

@@ -97,6 +97,7 @@ def test_measured_drift_tightens_then_slack_relaxes(tmp_path):
     handle.remove()
 
 
+@pytest.mark.slow
 def test_oom_inside_a_step_writes_a_report_and_reaches_the_caller(tmp_path):
     torch.manual_seed(0)
     model, inputs = llama_small(2, 64)

@@ -101,6 +101,7 @@ def test_spill_directory_removed_on_sigterm(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_spill_directory_removed_at_exit_without_remove(tmp_path: Path) -> None:
     child = _child(tmp_path, "raise KeyboardInterrupt")
     child.communicate(timeout=60)

@@ -107,6 +107,7 @@ def _offload_all(name):
     return spec, config, graph, timeline, plan
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_disk_offload_lowers_measured_peak_as_predicted(name):
     """Offloading every block to disk: measured peak well under the no-plan one, within 3% of the
@@ -166,6 +167,7 @@ def test_baseline_plans_are_valid(name, strategy, tmp_path):
         assert len(plan.recompute_modules()) == len(regions) - max(1, round(math.sqrt(len(regions))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["full", "every-2", "sqrt", "op-sac", "op-sac-alt", "megatron-selective"])
 def test_baseline_plans_keep_gradients(strategy):
     spec, config = f"{PATH}:gpt_small", TrainConfig(batch_size=2, seq_len=32)

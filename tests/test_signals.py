@@ -86,6 +86,7 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sigint_after_a_solve_runs_finally_and_removes_spill_files(tmp_path: Path) -> None:
     code = _SCRIPT.format(tests=str(Path(__file__).parent), spill=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -67,6 +67,7 @@ def _check_invariants(tl) -> None:
     assert c.step_s > 0 and c.recompute_s >= 0 and c.exposed_offload_s >= 0 and c.overhead >= 0
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(preset=st.sampled_from(FAMILIES), config=configs())
 def test_timeline_invariants(preset, config):
@@ -80,6 +81,7 @@ def test_timeline_invariants(preset, config):
     assert first["gradient"] == 0
 
 
+@pytest.mark.slow
 @PAIR_SETTINGS
 @given(preset=st.sampled_from(FAMILIES), config=configs(batch=1), data=st.data())
 def test_peak_grows_with_batch_size(preset, config, data):
@@ -91,6 +93,7 @@ def test_peak_grows_with_batch_size(preset, config, data):
     assert small.model_states == large.model_states
 
 
+@pytest.mark.slow
 @PAIR_SETTINGS
 @given(preset=st.sampled_from(FAMILIES), config=configs(seq=8), data=st.data())
 def test_peak_grows_with_seq_len(preset, config, data):

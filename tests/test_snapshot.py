@@ -595,6 +595,7 @@ def test_fuzz_structured_data(tree: object) -> None:
     _check(load_snapshot_bytes, pickle.dumps(tree, protocol=5))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.lists(st.dictionaries(_KEYS, _TREES, max_size=6), max_size=3), _TREES, _TREES)
 def test_fuzz_near_valid_snapshots(blocks: list, settings_: object, traces: object) -> None:

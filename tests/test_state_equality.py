@@ -120,6 +120,7 @@ RESNET_PLANS: dict[str, Callable[[nn.Module], list[Decision]]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", RESNET_PLANS)
 def test_resnet_batchnorm_state_equal(strategy: str) -> None:
     check_plan(resnet, lambda m: hand_plan(m, RESNET, RESNET_PLANS[strategy](m)))
@@ -141,6 +142,7 @@ def test_resnet_buffer_writes_seen_by_trace_and_restored_by_runtime() -> None:
     assert all(int(m.num_batches_tracked) == 1 for m in model.modules() if isinstance(m, nn.BatchNorm2d))
 
 
+@pytest.mark.slow
 def test_batchnorm_frozen_then_trained_keeps_state() -> None:
     """A block whose BatchNorm first runs in eval mode (writes nothing), then in training, is
     restored in both: what a block writes is learned per train/eval mode."""

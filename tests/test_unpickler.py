@@ -49,6 +49,7 @@ def test_plain_keys_still_load() -> None:
     assert _load(pickle.dumps([text_opcodes, text_opcodes], protocol=0)) == [text_opcodes, text_opcodes]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opcode", [pickle.EMPTY_SET, pickle.EMPTY_DICT, pickle.MARK, pickle.MEMOIZE])
 def test_ten_megabyte_opcode_flood_stays_small(opcode: bytes) -> None:
     data = opcode_flood(opcode, 10 * MiB)

@@ -29,6 +29,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec,seq_len", CASES)
 def test_predicted_peak_within_3_percent(spec, seq_len):
     r = verify_model(spec, TrainConfig(batch_size=2, seq_len=seq_len))
@@ -39,6 +40,7 @@ def test_predicted_peak_within_3_percent(spec, seq_len):
     assert r.loss == r.loss  # finite-ish: not NaN
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adafactor", "none"])
 def test_other_optimizers(optimizer):
     r = verify_model("llama-7b-tiny", TrainConfig(batch_size=2, seq_len=32, optimizer=optimizer))
