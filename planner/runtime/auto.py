@@ -25,14 +25,14 @@ from memplan_compat import tree_leaves, tree_map
 from planner.budgets import parse_budget
 from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget, MemplanError
-from planner.plans.format import Plan, PlanLadder, Predicted, SolverInfo
+from planner.plans.format import Plan, PlanLadder, SolverInfo
 from planner.runtime.apply import PlanHandle, apply_plan, batch_seq_len
 from planner.runtime.live_trace import LiveTracer
 from planner.simulation.costs import StepCosts
 from planner.simulation.effects import SpanChoice, choices_from_decisions
 from planner.simulation.step import Timeline, simulate
 from planner.solver.cpsat import prepare_replan, replan_choices
-from planner.solver.planning import decisions_for, graph_model_info, solve
+from planner.solver.planning import make_plan, solve
 from planner.tracing.graph import OpGraph
 from planner.units import format_bytes
 
@@ -222,29 +222,15 @@ class AutoHandle:
             offload_bytes=found.offload_bytes,
             exposed_offload_s=found.exposed_offload_s,
         )
-        plan = Plan(
-            model=graph_model_info(graph),
-            config={**config.to_dict(), **graph.assumptions()},
-            budget_bytes=int(target),
-            strategy="optimal",
-            decisions=decisions_for(graph, found.choices),
-            predicted=Predicted(
-                peak_bytes=found.peak_bytes,
-                baseline_peak_bytes=base.peak_bytes,
-                recompute_flops=costs.recompute_flops,
-                recompute_s=costs.recompute_s,
-                offload_bytes=costs.offload_bytes,
-                exposed_offload_s=costs.exposed_offload_s,
-                step_s=costs.step_s,
-                overhead=costs.overhead,
-            ),
-            solver=SolverInfo(
-                status="FEASIBLE",
-                objective=found.added_s,
-                bound=0.0,
-                gap=1.0 if found.added_s else 0.0,
-                wall_s=found.wall_s,
-            ),
+        solver = SolverInfo(
+            status="FEASIBLE",
+            objective=found.added_s,
+            bound=0.0,
+            gap=1.0 if found.added_s else 0.0,
+            wall_s=found.wall_s,
+        )
+        plan = make_plan(
+            graph, config, target, "optimal", found.choices, found.peak_bytes, costs, base.peak_bytes, solver
         )
         self._choices[id(plan)] = (plan, found.choices)
         return plan

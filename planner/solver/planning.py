@@ -9,14 +9,15 @@ from dataclasses import dataclass
 from planner.config import DEFAULT_TIME_LIMIT_S, TrainConfig
 from planner.errors import InfeasibleBudget, SpecError
 from planner.plans.format import Decision, ModelInfo, Plan, Predicted, SolverInfo
+from planner.simulation.costs import StepCosts
 from planner.simulation.effects import SpanChoice, op_keys
-from planner.simulation.step import Timeline, simulate
+from planner.simulation.step import simulate
 from planner.solver.baselines import check_strategy, strategy_choices
 from planner.solver.cpsat import solve_choices
 from planner.tracing.graph import OpGraph
 from planner.units import format_bytes
 
-__all__ = ["solve", "decisions_for", "graph_model_info", "StrategyRow", "compare_strategies", "BASELINES"]
+__all__ = ["solve", "decisions_for", "graph_model_info", "make_plan", "StrategyRow", "compare_strategies", "BASELINES"]
 
 BASELINES = ("none", "full", "every-2", "sqrt", "op-sac", "op-sac-alt", "megatron-selective")
 
@@ -45,17 +46,18 @@ def graph_model_info(graph: OpGraph) -> ModelInfo:
     )
 
 
-def _plan(
+def make_plan(
     graph: OpGraph,
     config: TrainConfig,
     budget_bytes: int,
     strategy: str,
     choices: Sequence[SpanChoice],
-    timeline: Timeline,
+    peak_bytes: int,
+    costs: StepCosts,
     baseline_peak: int,
     solver: SolverInfo,
 ) -> Plan:
-    costs = timeline.costs
+    """The plan file's content for span choices with their predicted peak and costs."""
     return Plan(
         model=graph_model_info(graph),
         config={**config.to_dict(), **graph.assumptions()},
@@ -63,7 +65,7 @@ def _plan(
         strategy=strategy,
         decisions=decisions_for(graph, choices),
         predicted=Predicted(
-            peak_bytes=timeline.peak_bytes,
+            peak_bytes=peak_bytes,
             baseline_peak_bytes=baseline_peak,
             recompute_flops=costs.recompute_flops,
             recompute_s=costs.recompute_s,
@@ -109,7 +111,18 @@ def solve(
             gap=result.gap,
             wall_s=result.wall_s,
         )
-        return _plan(graph, config, budget_bytes, strategy, result.choices, result.timeline, baseline.peak_bytes, info)
+        timeline = result.timeline
+        return make_plan(
+            graph,
+            config,
+            budget_bytes,
+            strategy,
+            result.choices,
+            timeline.peak_bytes,
+            timeline.costs,
+            baseline.peak_bytes,
+            info,
+        )
     t0 = time.perf_counter()
     choices = strategy_choices(graph, strategy)
     timeline = simulate(graph, config, choices=choices)
@@ -121,7 +134,9 @@ def solve(
         )
     added = timeline.costs.recompute_s + timeline.costs.exposed_offload_s
     info = SolverInfo(status="NOT_SOLVED", objective=added, bound=0.0, gap=0.0, wall_s=time.perf_counter() - t0)
-    return _plan(graph, config, budget_bytes, strategy, choices, timeline, baseline.peak_bytes, info)
+    return make_plan(
+        graph, config, budget_bytes, strategy, choices, timeline.peak_bytes, timeline.costs, baseline.peak_bytes, info
+    )
 
 
 @dataclass(frozen=True)
