@@ -33,8 +33,8 @@ import numpy as np
 from costmodels.hardware import get_device
 from costmodels.memory import get_precision, model_state_bytes
 from planner.config import TrainConfig
-from planner.simulation.fsdp import fsdp_buffers
 from planner.simulation.costs import StepCosts, category_scale, storage_bytes
+from planner.simulation.fsdp import fsdp_buffers
 from planner.simulation.pipeline_schedule import PipelineAction, PipelineSchedule
 from planner.simulation.pipeline_split import StageCut, op_stages, weight_gradient_ops
 from planner.simulation.step import Timeline
