@@ -16,7 +16,7 @@ from costmodels.memory import get_precision
 from planner.budgets import parse_budget
 from planner.config import DEFAULT_TIME_LIMIT_S, TrainConfig
 from planner.errors import InfeasibleBudget, MemplanError, PlanFileError
-from planner.plans.format import CompiledPlan, Plan, PlanLadder, load_plan
+from planner.plans.format import CompiledPlan, Plan, PlanLadder, StagePlans, load_plan
 from planner.plans.identity import check_plan_matches
 from planner.runtime.apply import apply_plan
 from planner.runtime.compiled import measure_compiled_step
@@ -28,6 +28,7 @@ from planner.simulation.pipeline import PipelineTimeline, simulate_pipeline
 from planner.simulation.ranks import LayoutTimeline
 from planner.simulation.step import Timeline, simulate
 from planner.solver.compiled import plan_compiled
+from planner.solver.pipeline_plans import choices_of, evaluate_pipeline, solve_pipeline, stage_plans, uniform_choices
 from planner.solver.planning import compare_strategies, solve
 from planner.tracing.graph import OpGraph
 from planner.tracing.hf import disable_kv_cache
@@ -41,6 +42,7 @@ __all__ = [
     "LayoutVerifyResult",
     "verify_layout",
     "simulate_pipeline_model",
+    "plan_pipeline_model",
     "VerifyResult",
     "verify_model",
     "plan_for_config",
@@ -63,6 +65,11 @@ def plan_for_config(plan: Plan | PlanLadder | str | Path | None, seq_len: int) -
         )
     if isinstance(plan, PlanLadder):
         return plan.plan_for(seq_len)[0]
+    if isinstance(plan, StagePlans):
+        raise PlanFileError(
+            f"this plan file holds one plan per pipeline stage (--pp {plan.pp} --pp-schedule {plan.schedule}); "
+            f"simulate it with --pp {plan.pp}, or apply one stage with apply_plan(stage_module, plan, stage=i)"
+        )
     return plan
 
 
@@ -93,13 +100,9 @@ def _refuse_pipeline(config: TrainConfig, command: str) -> None:
         )
 
 
-def simulate_pipeline_model(
-    spec: str, config: TrainConfig, plan: Plan | PlanLadder | str | None = None
-) -> PipelineTimeline:
-    """Trace a spec once at one microbatch's batch and simulate every pipeline rank under the schedule."""
-    if plan is not None:
-        raise PlanFileError("plans per pipeline stage are not supported yet; simulate --pp without --plan")
-    graph = trace(
+def _pipeline_graph(spec: str, config: TrainConfig) -> OpGraph:
+    """The step traced once at one microbatch's batch (what every stage is cut from)."""
+    return trace(
         spec,
         batch_size=config.batch_size // config.num_microbatches,
         seq_len=config.seq_len,
@@ -108,10 +111,60 @@ def simulate_pipeline_model(
         moe_imbalance=config.moe_imbalance,
         blocks=config.blocks,
     )
-    result = simulate_pipeline(graph, config)
+
+
+def _stage_plans_for(plan, config: TrainConfig) -> StagePlans:
+    """A plan file for a pipeline: it must hold a plan per stage made for this schedule and --pp."""
+    loaded = load_plan(plan) if isinstance(plan, (str, Path)) else plan
+    if not isinstance(loaded, StagePlans):
+        raise PlanFileError(
+            "a pipeline runs a plan per stage; make one with memplan plan --pp N (this file holds one plan)"
+        )
+    if (
+        loaded.pp != config.pp
+        or loaded.schedule != config.pp_schedule
+        or loaded.microbatches != config.num_microbatches
+    ):
+        raise PlanFileError(
+            f"the stage plans are for --pp {loaded.pp} --pp-schedule {loaded.schedule} --microbatches "
+            f"{loaded.microbatches}; simulate with those or re-plan with memplan plan --pp"
+        )
+    return loaded
+
+
+def simulate_pipeline_model(spec: str, config: TrainConfig, plan: StagePlans | str | None = None) -> PipelineTimeline:
+    """Trace a spec once at one microbatch's batch and simulate every pipeline rank under the schedule
+    (each stage under its plan, with stage plans from memplan plan --pp)."""
+    stage_plans = _stage_plans_for(plan, config) if plan is not None else None
+    graph = _pipeline_graph(spec, config)
+    choices = choices_of(graph, stage_plans) if stage_plans is not None else ()
+    if stage_plans is not None:
+        config = config.with_(pp_split=",".join(str(len(s.blocks)) for s in stage_plans.stages))
+    result = simulate_pipeline(graph, config, choices)
     for role in result.layout.roles:
         role.timeline.config["model"] = spec
     return result
+
+
+def plan_pipeline_model(
+    spec: str,
+    config: TrainConfig,
+    budget_bytes: int | str,
+    *,
+    keep=(),
+    recompute=(),
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+):
+    """A plan per pipeline stage under one budget for every pp rank: (PipelinePlan, StagePlans, the
+    same choices as one plan for all stages, replayed: PipelineEvaluation). `budget_bytes` may be a
+    percentage of the worst rank's no-plan peak."""
+    graph = _pipeline_graph(spec, config)
+    if isinstance(budget_bytes, str):
+        budget_bytes = parse_budget(budget_bytes, simulate_pipeline(graph, config).peak_bytes)
+    result = solve_pipeline(graph, config, budget_bytes, keep=keep, recompute=recompute, time_limit_s=time_limit_s)
+    plans = stage_plans(graph, config, result)
+    uniform = evaluate_pipeline(graph, config, uniform_choices(graph, config, result), result.cuts)
+    return result, plans, uniform
 
 
 @dataclass(frozen=True)
@@ -288,6 +341,19 @@ def check_plan_for_spec(spec: str, config: TrainConfig, plan_path: str) -> str:
             f"{plan.predicted.overhead * 100:.1f}% of the eager step\n"
             "apply it in your training script with: handle = planner.apply_plan(model, 'PLAN.json')"
         )
+    if isinstance(plan, StagePlans):  # each stage's plan against the whole model it was cut from
+        lines = []
+        for sp in plan.stages:
+            check_plan_matches(sp.plan, model)
+            lines.append(
+                f"stage {sp.stage} (pp rank {sp.pp_rank}, {sp.in_flight} microbatches in flight): "
+                f"{len(sp.plan.recompute_modules())} of {len(sp.blocks)} blocks' modules recomputed; predicted peak "
+                f"{format_bytes(sp.plan.predicted.peak_bytes)}"
+            )
+        lines.append(
+            "apply it on each stage's module with: handle = planner.apply_plan(stage_module, 'PLAN.json', stage=i)"
+        )
+        return "\n".join(lines)
     plans = [p for _, p in plan.buckets] if isinstance(plan, PlanLadder) else [plan]
     lines = []
     for p in plans:

@@ -124,8 +124,9 @@ def _recv_buffers(stage) -> list[torch.Tensor]:
     return _tensors(getattr(i, "buffer", None) for i in infos)
 
 
-def measure_case(rank: int, builder: str, config, counts: list[int], steps: int) -> int:
-    """This rank's lowest peak live bytes over `steps` measured steps (after a warm-up step)."""
+def measure_case(rank: int, builder: str, config, counts: list[int], steps: int, plans: dict | None = None) -> int:
+    """This rank's lowest peak live bytes over `steps` measured steps (after a warm-up step); `plans`:
+    a plan per stage (memplan plan --pp, as a dict) applied to each stage module."""
     from torch.distributed.pipelining import PipelineStage, schedules
 
     from planner.config import PP_SCHEDULES
@@ -139,6 +140,13 @@ def measure_case(rank: int, builder: str, config, counts: list[int], steps: int)
     num_stages = config.pp * v
     stage_ids = list(stages_of_rank(rank, config.pp, v, config.pp_schedule))
     modules = _stage_modules(builder, model, counts, stage_ids)
+    if plans is not None:
+        from planner.plans.format import load_plan
+        from planner.runtime.apply import apply_plan
+
+        loaded = load_plan(plans)
+        for m, s in zip(modules, stage_ids):
+            apply_plan(m, loaded, stage=s)
     stages = [PipelineStage(m, s, num_stages, torch.device("cpu")) for m, s in zip(modules, stage_ids)]
     loss_fn = _hf_loss(model.config.vocab_size) if builder == "hf_llama" else lm_loss
     cls = getattr(schedules, PP_SCHEDULES[config.pp_schedule])
@@ -179,8 +187,8 @@ def _worker(rank: int, init_file: str, cases: list, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
     try:
-        for key, builder, config, counts, steps in cases:
-            queue.put((key, rank, measure_case(rank, builder, config, counts, steps)))
+        for key, builder, config, counts, steps, *plans in cases:
+            queue.put((key, rank, measure_case(rank, builder, config, counts, steps, *plans)))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -222,5 +230,7 @@ def run_on_ranks(cases: list, workdir: str, timeout_s: float = 240.0) -> dict[st
     return results
 
 
-def case(key: str, builder: str, config, counts: list[int], steps: int = 3) -> tuple[Any, ...]:
-    return (key, builder, config, counts, steps)
+def case(
+    key: str, builder: str, config, counts: list[int], steps: int = 3, plans: dict | None = None
+) -> tuple[Any, ...]:
+    return (key, builder, config, counts, steps) if plans is None else (key, builder, config, counts, steps, plans)

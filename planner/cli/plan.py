@@ -16,7 +16,9 @@ EXAMPLE = (
     "memplan plan --model llama-70b --gpu h100-80gb --seq-len 4096 --precision bf16-mixed "
     "--zero 3 --dp 32 --out plan.json\n"
     "  memplan plan --model llama-7b-tiny --batch-size 8 --seq-len 256 --budget 36MiB --offload disk "
-    "--out plan.json"
+    "--out plan.json\n"
+    "  memplan plan --model llama-70b-tiny --batch-size 4 --seq-len 64 --pp 2 --pp-schedule 1f1b --budget 90% "
+    "--out stages.json"
 )
 
 
@@ -119,6 +121,8 @@ def run(args) -> None:
         from planner.plans.format import PlanLadder
     if args.compile:
         return run_compiled(args, config_from_args(args).with_(compile=True), budget)
+    if config_from_args(args).pp > 1:
+        return _plan_pipeline(args, config_from_args(args), budget)
     if args.plot and len(args.seq_len) > 1:
         raise ValueError("--plot draws one plan; give one --seq-len")
     solved = {s: _plan_one(args, config_from_args(args, s), budget) for s in args.seq_len}
@@ -133,6 +137,66 @@ def run(args) -> None:
         _plot_with_and_without(args, plan)
     strategies = {str(s): [r.to_dict() for r in rows] for s, (_, rows) in solved.items()}
     write_json(args.json_path, {"plan": plan.to_dict(), "strategies": strategies})  # and the table printed above
+
+
+def _plan_pipeline(args, config, budget: int | str) -> None:
+    """`plan --pp N`: a plan per stage, each stage rank's peak within the same budget."""
+    if len(args.seq_len) > 1:
+        raise ValueError("memplan plan --pp plans one --seq-len; give one")
+    if args.plot:
+        raise ValueError(
+            "memplan plan --pp draws no --plot; simulate the stage plans with memplan simulate --pp --plan"
+        )
+    if args.strategy != "optimal":
+        raise ValueError(f"memplan plan --pp solves each stage (--strategy optimal), not --strategy {args.strategy}")
+    if args.offload not in (None, "none"):
+        raise ValueError("memplan plan --pp recomputes only; drop --offload")
+    with guarded_imports():
+        from planner.api import plan_pipeline_model
+    result, plans, uniform = plan_pipeline_model(
+        args.model, config, budget, keep=args.keep, recompute=args.recompute, time_limit_s=args.time_limit
+    )
+    base_s, step_s = result.step_s_without, result.step_s_with
+
+    def pct(x: float) -> str:
+        return f"{x / base_s * 100:.1f}%" if base_s > 0 else "0.0%"
+
+    print(
+        f"{args.model} seq {config.seq_len} batch {config.batch_size} {config.precision} on {config.gpu}, "
+        f"--pp {config.pp} {config.pp_schedule}, {config.num_microbatches} microbatches: budget "
+        f"{format_bytes(result.budget_bytes)} for every rank"
+    )
+    rows = []
+    for r, peak_u in zip(result.ranks, uniform.peaks):
+        recomputed = [n for n in r.option_names if n != "keep"]
+        rows.append(
+            [
+                ",".join(map(str, r.stages)),
+                r.rank,
+                r.in_flight,
+                format_bytes(r.peak_without),
+                format_bytes(r.peak_with),
+                f"{r.recompute_s:.4g}s",
+                f"{len(recomputed)}/{len(r.option_names)}",
+                format_bytes(peak_u),
+            ]
+        )
+    headers = ["stage", "pp rank", "in flight", "no-plan peak", "peak", "recompute", "blocks", "one-plan peak"]
+    print(report.table(headers, rows))
+    print(
+        f"step {base_s:.4g}s -> {step_s:.4g}s with a plan per stage (+{pct(step_s - base_s)}); one plan for all "
+        f"stages: {uniform.step_s:.4g}s (+{pct(uniform.step_s - base_s)})"
+    )
+    plans.save(args.out)
+    print(f"wrote {args.out}")
+    print("apply it on each stage's module with: handle = planner.apply_plan(stage_module, 'PLAN.json', stage=i)")
+    one_plan = {
+        "peaks_bytes": list(uniform.peaks),
+        "recompute_s": list(uniform.recompute_s),
+        "step_s": uniform.step_s,
+        "fits": all(p <= result.budget_bytes for p in uniform.peaks),
+    }
+    write_json(args.json_path, {"plan": plans.to_dict(), "pipeline": result.to_dict(), "one_plan_for_all": one_plan})
 
 
 def _plot_with_and_without(args, plan) -> None:

@@ -16,6 +16,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from dataclasses import replace as dataclasses_replace
 from functools import lru_cache
 from importlib import metadata, resources
 from pathlib import Path
@@ -42,10 +43,12 @@ __all__ = [
     "CompiledPoint",
     "CompiledPrediction",
     "CompiledPlan",
+    "StagePlan",
+    "StagePlans",
 ]
 
 SCHEMA_VERSION = 1
-KINDS = ("plan", "ladder", "compiled")
+KINDS = ("plan", "ladder", "compiled", "stages")
 ACTIONS = ("keep", "recompute", "offload")
 TARGETS = ("cpu", "disk")
 
@@ -358,17 +361,115 @@ class CompiledPlan:
         _save(self.to_dict(), path)
 
 
-def _load(d: Any, label: str, want: str | None = None) -> Plan | PlanLadder | CompiledPlan:
+@dataclass(frozen=True)
+class StagePlan:
+    """The plan of one pipeline stage: its pp rank, microbatches in flight there, its blocks."""
+
+    stage: int
+    pp_rank: int
+    in_flight: int
+    blocks: tuple[str, ...]  # module paths of the stage's blocks in the whole model
+    plan: Plan
+
+
+@dataclass(frozen=True)
+class StagePlans:
+    """One plan per pipeline stage, all for the same model, schedule and budget (kind 'stages')."""
+
+    schedule: str
+    pp: int
+    microbatches: int
+    budget_bytes: int
+    stages: tuple[StagePlan, ...]
+    schema_version: int = SCHEMA_VERSION
+    memplan_version: str = field(default_factory=_memplan_version)
+
+    def __post_init__(self) -> None:
+        stages = tuple(
+            sorted(
+                (dataclasses_replace(s, blocks=tuple(s.blocks)) for s in self.stages),
+                key=lambda s: s.stage,
+            )
+        )
+        object.__setattr__(self, "stages", stages)
+        if [s.stage for s in stages] != list(range(len(stages))):
+            raise PlanFileError(
+                f"stage plans must cover stages 0..{len(stages) - 1} once each, got {[s.stage for s in stages]}"
+            )
+        fps = {s.plan.model.fingerprint for s in stages}
+        if len(fps) > 1:
+            raise PlanFileError("stage plans are for different models; plan every stage of one model together")
+        for s in stages:
+            outside = [d.module for d in s.plan.decisions if not _under(d.module, s.blocks)]
+            if outside:
+                raise PlanFileError(
+                    f"stage {s.stage}'s plan names module {outside[0]!r}, which is not in its blocks; re-plan with "
+                    "memplan plan --pp"
+                )
+        _validate(self.to_dict(), "stage plans")
+
+    @property
+    def kind(self) -> str:
+        return "stages"
+
+    def plan_for_stage(self, stage: int) -> StagePlan:
+        """The plan of pipeline stage `stage`; ValueError naming the stages there are."""
+        if type(stage) is bool or not isinstance(stage, int) or not 0 <= stage < len(self.stages):
+            raise PlanFileError(f"stage must be one of 0..{len(self.stages) - 1} for these stage plans, got {stage!r}")
+        return self.stages[stage]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "stages",
+            "schema_version": self.schema_version,
+            "memplan_version": self.memplan_version,
+            "schedule": self.schedule,
+            "pp": self.pp,
+            "microbatches": self.microbatches,
+            "budget_bytes": self.budget_bytes,
+            "stages": [
+                {
+                    "stage": s.stage,
+                    "pp_rank": s.pp_rank,
+                    "in_flight": s.in_flight,
+                    "blocks": list(s.blocks),
+                    "plan": s.plan.to_dict(),
+                }
+                for s in self.stages
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, label: str = "stage plans") -> StagePlans:
+        """Validate ``d`` against the schema and build StagePlans. Raises PlanFileError."""
+        return _load(d, label, "stages")
+
+    def save(self, path: PathLike) -> None:
+        _save(self.to_dict(), path)
+
+
+def _under(module: str, blocks: tuple[str, ...]) -> bool:
+    return any(module == b or module.startswith(b + ".") for b in blocks)
+
+
+def _load(d: Any, label: str, want: str | None = None) -> Plan | PlanLadder | CompiledPlan | StagePlans:
     """The one loader: validate a plan, ladder or compiled plan dict, then build its dataclasses."""
     kind = _validate(d, label)
     if want is not None and kind != want:
-        names = {"plan": "a single plan (Plan)", "ladder": "a ladder (PlanLadder)", "compiled": "a compiled plan"}
+        names = {
+            "plan": "a single plan (Plan)",
+            "ladder": "a ladder (PlanLadder)",
+            "compiled": "a compiled plan",
+            "stages": "a plan per pipeline stage (StagePlans)",
+        }
         raise PlanFileError(f"{label} is {names[kind]}, not {names[want]}; use load_plan")
     try:
         if kind == "plan":
             return _plan(d)
         if kind == "compiled":
             return _compiled(d)
+        if kind == "stages":
+            return _stages(d)
         return PlanLadder(
             tuple((b["seq_len"], _plan(b["plan"])) for b in d["buckets"]), d["schema_version"], d["memplan_version"]
         )
@@ -382,6 +483,21 @@ def _plan(d: Mapping[str, Any]) -> Plan:
     fields.update({k: cls(**d[k]) for k, cls in parts.items()})
     fields["decisions"] = tuple(Decision(**x) for x in d["decisions"])
     return Plan(**fields)
+
+
+def _stages(d: Mapping[str, Any]) -> StagePlans:
+    return StagePlans(
+        schedule=d["schedule"],
+        pp=d["pp"],
+        microbatches=d["microbatches"],
+        budget_bytes=d["budget_bytes"],
+        stages=tuple(
+            StagePlan(s["stage"], s["pp_rank"], s["in_flight"], tuple(s["blocks"]), _plan(s["plan"]))
+            for s in d["stages"]
+        ),
+        schema_version=d["schema_version"],
+        memplan_version=d["memplan_version"],
+    )
 
 
 def _compiled(d: Mapping[str, Any]) -> CompiledPlan:
@@ -401,8 +517,8 @@ def _save(d: dict[str, Any], path: PathLike) -> None:
     write_text(path, json.dumps(d, indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
-def load_plan(path_or_dict: PathLike | Mapping[str, Any]) -> Plan | PlanLadder | CompiledPlan:
-    """Load a plan, ladder or compiled plan from a JSON file or an already-parsed dict. Raises PlanFileError."""
+def load_plan(path_or_dict: PathLike | Mapping[str, Any]) -> Plan | PlanLadder | CompiledPlan | StagePlans:
+    """Load a plan, ladder, compiled plan or plan per pipeline stage from a JSON file or an already-parsed dict. Raises PlanFileError."""
     if isinstance(path_or_dict, Mapping):
         return _load(dict(path_or_dict), "plan")
     path = Path(path_or_dict)

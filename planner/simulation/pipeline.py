@@ -8,15 +8,17 @@ Ranks that share a pp coordinate (dp replicas, FSDP shards) share one role.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from costmodels.hardware import get_device
 from planner.config import TrainConfig
 from planner.errors import MemplanError
 from planner.simulation.costs import op_times
+from planner.simulation.effects import SpanChoice
 from planner.simulation.pipeline_schedule import PipelineSchedule, pipeline_schedule
 from planner.simulation.pipeline_split import blocks_per_stage, cut_stages
-from planner.simulation.pipeline_step import fsdp_extras, replay_rank, stage_programs
+from planner.simulation.pipeline_step import fsdp_extras, replay_rank, stage_effects, stage_programs
 from planner.simulation.pipeline_time import PipelineTime, pipeline_time, stage_times
 from planner.simulation.ranks import LayoutTimeline, RankRole, group_roles
 from planner.tracing.graph import OpGraph
@@ -75,10 +77,24 @@ def max_in_flight(schedule: PipelineSchedule, rank: int) -> int:
     return worst
 
 
-def _evaluate(graph: OpGraph, config: TrainConfig, schedule: PipelineSchedule, counts: tuple[int, ...], extras):
+def _evaluate(
+    graph: OpGraph,
+    config: TrainConfig,
+    schedule: PipelineSchedule,
+    counts: tuple[int, ...],
+    extras,
+    choices: Sequence[SpanChoice] = (),
+):
     cuts = cut_stages(graph, counts)
-    stages = stage_programs(graph, config, cuts)
-    timing = pipeline_time(schedule, stage_times(graph, cuts, op_times(graph, get_device(config.gpu))))
+    effects = stage_effects(graph, config, cuts, choices)
+    stages = stage_programs(graph, config, cuts, effects)
+    per_stage = stage_times(graph, cuts, op_times(graph, get_device(config.gpu)))
+    if effects:  # a recompute runs in its stage's backward
+        extra = [0.0] * len(cuts)
+        for e in effects:
+            extra[e.stage] += e.effect.recompute_s
+        per_stage = {**per_stage, "B": tuple(b + x for b, x in zip(per_stage["B"], extra))}
+    timing = pipeline_time(schedule, per_stage)
     replays = [replay_rank(graph, config, stages, schedule, r, timing.step_s, extras) for r in range(schedule.pp)]
     return cuts, timing, replays
 
@@ -122,16 +138,22 @@ def _check(graph: OpGraph, config: TrainConfig) -> None:
         )
 
 
-def simulate_pipeline(graph: OpGraph, config: TrainConfig) -> PipelineTimeline:
-    """Every pp rank of a pipeline step; `graph` is the step traced at one microbatch's batch."""
+def simulate_pipeline(graph: OpGraph, config: TrainConfig, choices: Sequence[SpanChoice] = ()) -> PipelineTimeline:
+    """Every pp rank of a pipeline step; `graph` is the step traced at one microbatch's batch.
+    `choices`: recompute span choices inside stages (a plan per stage, resolved on `graph`)."""
     _check(graph, config)
     schedule = pipeline_schedule(config)
+    if choices and any(a.kind in ("I", "W") for r in range(schedule.pp) for a in schedule.compute(r)):
+        raise MemplanError(
+            f"plans per stage cover schedules without a split backward for now, not {config.pp_schedule}; "
+            "simulate it without --plan"
+        )
     extras = fsdp_extras(graph, config)
     if config.pp_split.strip() == "auto":
         counts = _auto_split(graph, config, schedule, extras)
     else:
         counts = blocks_per_stage(len(graph.regions), schedule.num_stages, config.pp_split)
-    cuts, timing, replays = _evaluate(graph, config, schedule, counts, extras)
+    cuts, timing, replays = _evaluate(graph, config, schedule, counts, extras, choices)
     groups = group_roles(config, lambda c: c.pp)
     roles = tuple(
         RankRole(

@@ -25,22 +25,27 @@ as torchtitan runs it).
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from costmodels.hardware import get_device
 from costmodels.memory import get_precision, model_state_bytes
+from costmodels.runtime import checkpoint_host_s
 from planner.config import TrainConfig
-from planner.simulation.costs import StepCosts, category_scale, storage_bytes
+from planner.errors import MemplanError
+from planner.simulation.costs import StepCosts, category_scale, op_times, storage_bytes
+from planner.simulation.effects import FREE, REPLAY, SAMPLE, ChoiceEffect, SpanChoice, choice_effect
 from planner.simulation.fsdp import fsdp_buffers
 from planner.simulation.pipeline_schedule import PipelineAction, PipelineSchedule
 from planner.simulation.pipeline_split import StageCut, op_stages, weight_gradient_ops
 from planner.simulation.step import Timeline
 from planner.tracing.graph import CATEGORIES, OpGraph
 
-__all__ = ["StageMemory", "fsdp_extras", "stage_programs", "replay_rank"]
+__all__ = ["StageMemory", "StageEffect", "fsdp_extras", "stage_effects", "replay_rows", "stage_programs", "replay_rank"]
 
 _CAT = {c: i for i, c in enumerate(CATEGORIES)}
 _NC = len(CATEGORIES)
@@ -57,18 +62,36 @@ class _Program:
     tail: np.ndarray = field(default_factory=lambda: np.zeros(_NC, dtype=np.int64))
 
     def add(self, op: int, category: str, nbytes: int, after: bool = False) -> None:
-        """Bytes applied before op `op` samples (`after`: right after it), or at HEAD / TAIL."""
+        """Bytes applied before op `op` samples (`after`: right after it), or at HEAD / TAIL. Where a
+        recompute's replay adds sample rows before op `op` (the op appears more than once), frees
+        land before the replay (its first row) and allocations after it (the op's own row)."""
         if op == HEAD:
             self.head[_CAT[category]] += nbytes
             return
-        pos = int(np.searchsorted(self.ops, op)) + (1 if after else 0)
+        left = int(np.searchsorted(self.ops, op, side="left"))
+        right = int(np.searchsorted(self.ops, op, side="right"))
+        pos = right if after else (left if nbytes < 0 or right == left else right - 1)
         if op == TAIL or pos >= len(self.ops):
             self.tail[_CAT[category]] += nbytes
         else:
             self.delta[pos, _CAT[category]] += nbytes
 
+    def add_row(self, pos: int, category: str, nbytes: int) -> None:
+        """Bytes applied before row `pos` samples (a replay's rows)."""
+        self.delta[pos, _CAT[category]] += nbytes
 
-def _program(ops) -> _Program:
+    def minus(self, other: _Program) -> _Program:
+        """This program's bytes less another's on the same rows (what a choice changes)."""
+        assert np.array_equal(self.ops, other.ops), "programs on different rows"
+        return _Program(self.ops, self.delta - other.delta, self.head - other.head, self.tail - other.tail)
+
+
+def _program(ops, rows: Mapping[int, int] | None = None) -> _Program:
+    """A program sampling `ops`; `rows` (op -> n) adds n sample rows before op (a replay's)."""
+    ops = list(ops)
+    if rows:
+        present = set(ops)
+        ops += [op for op, n in rows.items() if op in present for _ in range(n)]
     ops = np.asarray(sorted(ops), dtype=np.int64)
     return _Program(ops, np.zeros((len(ops), _NC), dtype=np.int64))
 
@@ -118,24 +141,137 @@ def _retained_forward_ops(graph: OpGraph, stage_of: np.ndarray, in_bwd: np.ndarr
     return out
 
 
-def stage_programs(graph: OpGraph, config: TrainConfig, cuts: tuple[StageCut, ...]) -> list[StageMemory]:
-    """Every stage's persistent bytes and replay programs, from one trace at the microbatch's batch.
-    What a stage sends (its output, its input's gradient) is allocated by the programs and freed
-    by the replay, where both the stage and the schedule's send request have let go of it."""
-    n_ops = len(graph.ops)
-    m = config.num_microbatches
-    last = len(cuts) - 1
+@dataclass(frozen=True)
+class _Context:
+    """What stage_programs reads of a graph for one split (kept while the graph lives)."""
+
+    stage_of: np.ndarray
+    in_bwd: np.ndarray
+    sizes: dict[int, int]
+    readers: dict[int, list[int]]
+    weight_ops: frozenset[int]
+    w_read: set[int]
+    retained: set[int]
+    times: np.ndarray
+
+
+_CONTEXTS: dict[tuple, tuple[weakref.ref, _Context]] = {}
+
+
+def _context(graph: OpGraph, config: TrainConfig, cuts: tuple[StageCut, ...]) -> _Context:
+    key = (id(graph), config, cuts)
+    hit = _CONTEXTS.get(key)
+    if hit is not None and hit[0]() is graph:
+        return hit[1]
     stage_of, in_bwd = op_stages(graph, cuts)
-    sizes = storage_bytes(graph, config)
-    readers = _readers(graph)
-    phase = [op.phase for op in graph.ops]
-    regions = sorted(graph.regions, key=lambda r: r.fwd_start)
     weight_ops = weight_gradient_ops(graph)
     w_read = {tid for i in weight_ops for tid in graph.ops[i].inputs} | {
         tid for i in weight_ops for tid in graph.ops[i].allocs
     }
+    ctx = _Context(
+        stage_of,
+        in_bwd,
+        storage_bytes(graph, config),
+        _readers(graph),
+        weight_ops,
+        w_read,
+        _retained_forward_ops(graph, stage_of, in_bwd),
+        op_times(graph, get_device(config.gpu)),
+    )
+    while len(_CONTEXTS) >= 4:
+        del _CONTEXTS[next(iter(_CONTEXTS))]
+    _CONTEXTS[key] = (weakref.ref(graph), ctx)
+    weakref.finalize(graph, _CONTEXTS.pop, key, None)
+    return ctx
 
-    retained = _retained_forward_ops(graph, stage_of, in_bwd)
+
+@dataclass(frozen=True)
+class StageEffect:
+    """A recompute choice on a pipeline stage: its stage, the storages it moves there (those its
+    stage made in forward; a checkpointed block's input from the stage before is already held in a
+    receive buffer) and its events (:func:`planner.simulation.effects.choice_effect`)."""
+
+    stage: int
+    choice: SpanChoice
+    effect: ChoiceEffect
+    moved: frozenset[int]
+
+    @property
+    def replay_samples(self) -> tuple[int, int]:
+        """(op before which its replay runs, sample rows the replay adds there)."""
+        return self.choice.span.bwd_start, sum(1 for ev in self.effect.events if ev.storage == SAMPLE)
+
+
+def stage_effects(
+    graph: OpGraph, config: TrainConfig, cuts: tuple[StageCut, ...], choices: Sequence[SpanChoice]
+) -> list[StageEffect]:
+    """Each choice's effect on its stage; a choice must lie inside one stage and recompute."""
+    ctx = _context(graph, config, cuts)
+    host = checkpoint_host_s(get_device(config.gpu))
+    out = []
+    for c in choices:
+        span = c.span
+        s = int(ctx.stage_of[span.fwd_start])
+        inside = int(ctx.stage_of[span.fwd_end - 1]) == s == int(ctx.stage_of[span.bwd_start])
+        if c.mode != "recompute" or not inside or ctx.in_bwd[span.fwd_start]:
+            what = "offloads" if c.mode != "recompute" else "spans more than one stage"
+            raise MemplanError(
+                f"a pipeline plan recomputes modules inside one stage; the choice on '{span.path}' {what}"
+            )
+        eff = choice_effect(graph, c, ctx.sizes, ctx.times, host)
+        moved = frozenset(
+            tid
+            for tid in eff.moved
+            if (a := graph.tensors[tid].alloc_op) >= 0 and not ctx.in_bwd[a] and int(ctx.stage_of[a]) == s
+        )
+        out.append(StageEffect(s, c, eff, moved))
+    return out
+
+
+def replay_rows(effects: Sequence[StageEffect]) -> dict[int, dict[int, int]]:
+    """Stage -> (op -> sample rows its backward programs add before the op) for these effects."""
+    out: dict[int, dict[int, int]] = defaultdict(dict)
+    for e in effects:
+        b, n = e.replay_samples
+        if n:
+            out[e.stage][b] = max(out[e.stage].get(b, 0), n)
+    return dict(out)
+
+
+def stage_programs(
+    graph: OpGraph,
+    config: TrainConfig,
+    cuts: tuple[StageCut, ...],
+    choices: Sequence[SpanChoice | StageEffect] = (),
+    *,
+    only: Collection[int] | None = None,
+    rows: Mapping[int, Mapping[int, int]] | None = None,
+) -> list[StageMemory]:
+    """Every stage's persistent bytes and replay programs, from one trace at the microbatch's batch.
+    What a stage sends (its output, its input's gradient) is allocated by the programs and freed
+    by the replay, where both the stage and the schedule's send request have let go of it.
+
+    `choices` (recompute span choices, each inside one stage) move what they drop to their
+    events, as :func:`planner.simulation.step.simulate` does: a recompute's replay adds sample rows
+    before its span's backward in the stage's B programs (`rows`: stage -> op -> rows, default
+    the choices' own; give a superset to line several plans' programs up row for row). `only`:
+    place just these storages (and the choices' events), for what a choice changes."""
+    n_ops = len(graph.ops)
+    m = config.num_microbatches
+    last = len(cuts) - 1
+    ctx = _context(graph, config, cuts)
+    stage_of, in_bwd, sizes, readers = ctx.stage_of, ctx.in_bwd, ctx.sizes, ctx.readers
+    weight_ops, w_read, retained = ctx.weight_ops, ctx.w_read, ctx.retained
+    phase = [op.phase for op in graph.ops]
+    regions = sorted(graph.regions, key=lambda r: r.fwd_start)
+    effects = [
+        c if isinstance(c, StageEffect) else e
+        for c in choices
+        for e in ([c] if isinstance(c, StageEffect) else stage_effects(graph, config, cuts, [c]))
+    ]
+    rows = replay_rows(effects) if rows is None else rows
+    moved = set().union(*(e.moved for e in effects)) if effects else set()
+
     fwd_ops = [range(c.fwd_start, c.fwd_end) for c in cuts]
     bwd_ops = [range(c.bwd_start, c.bwd_end) for c in cuts]
     persistent = [np.zeros(_NC, dtype=np.int64) for _ in cuts]
@@ -150,8 +286,8 @@ def stage_programs(graph: OpGraph, config: TrainConfig, cuts: tuple[StageCut, ..
         progs.append(
             {
                 "F": _program(fwd_ops[c.index]),
-                "B_first": _program(bwd_ops[c.index]),
-                "B": _program(bwd_ops[c.index]),
+                "B_first": _program(bwd_ops[c.index], rows.get(c.index)),
+                "B": _program(bwd_ops[c.index], rows.get(c.index)),
                 "I": _program(i_ops),
                 "W_first": _program(w),
                 "W": _program(w),
@@ -185,9 +321,10 @@ def stage_programs(graph: OpGraph, config: TrainConfig, cuts: tuple[StageCut, ..
         backward_event(s, alloc, tid, nbytes)
         backward_event(s, free, tid, -nbytes)
 
-    for t in graph.tensors.values():
+    tensors = graph.tensors.values() if only is None else (graph.tensors[tid] for tid in only)
+    for t in tensors:
         z = sizes[t.id]
-        if z == 0:
+        if z == 0 or t.id in moved:
             continue
         reads = readers.get(t.id, ())
         f = t.free_op if t.free_op is not None and t.free_op < n_ops else None
@@ -250,6 +387,8 @@ def stage_programs(graph: OpGraph, config: TrainConfig, cuts: tuple[StageCut, ..
         for s in earlier_reads:  # a gradient received from a later stage: one buffer per microbatch
             if s == sa - 1:
                 persistent[s][_CAT[t.category]] += m * z
+    for e in effects:
+        _place_effect(graph, cuts[e.stage], e, progs[e.stage], rows.get(e.stage, {}), backward_event)
     out = []
     precision = get_precision(config.precision)
     foreach = get_device(config.gpu).is_cuda
@@ -271,6 +410,45 @@ def stage_programs(graph: OpGraph, config: TrainConfig, cuts: tuple[StageCut, ..
             )
         )
     return out
+
+
+def _place_effect(graph: OpGraph, cut: StageCut, e: StageEffect, p: dict[str, _Program], rows, backward_event) -> None:
+    """A choice's events on its stage's programs: allocations and the drop in F (a drop after the
+    stage's forward returns at its end), the replay at its rows before the span's backward in B
+    (net in the split backward's I, or W on stage 0), the rest in the backward; a re-created storage
+    that outlived the step dies at the end of B, as the stage's saved tensors do."""
+    b = e.choice.span.bwd_start
+    own_rows = rows.get(b, 0)
+    first_row = int(np.searchsorted(p["B"].ops, b, side="left"))
+    split = ("W_first", "W") if e.stage == 0 else ("I",)
+    sampled = 0
+    net: dict[int, int] = defaultdict(int)
+    freed: set[int] = set()
+    for ev in e.effect.events:
+        if ev.storage == SAMPLE:
+            sampled += 1
+            continue
+        if ev.storage not in e.moved and ev.category != "buffer":
+            continue  # a block input another stage made: this stage holds it in a receive buffer
+        net[ev.storage] += ev.nbytes
+        first_free = ev.nbytes < 0 and ev.storage not in freed
+        if ev.nbytes < 0:
+            freed.add(ev.storage)
+        if ev.op == b and ev.stage == REPLAY:
+            row = first_row + min(sampled, own_rows)
+            for key in ("B_first", "B"):
+                p[key].add_row(row, ev.category, ev.nbytes)
+            for key in split:
+                p[key].add(b, ev.category, ev.nbytes)
+        elif ev.op < cut.fwd_end:
+            p["F"].add(ev.op, ev.category, ev.nbytes)
+        elif ev.op < cut.bwd_start or (first_free and ev.stage == FREE and ev.op <= graph.backward_start):
+            p["F"].add(TAIL, ev.category, ev.nbytes)
+        else:
+            backward_event(e.stage, ev.op, ev.storage, ev.nbytes)
+    for tid, left in net.items():
+        if left:
+            backward_event(e.stage, TAIL, tid, -left)
 
 
 def fsdp_extras(graph: OpGraph, config: TrainConfig) -> np.ndarray:

@@ -1,0 +1,412 @@
+"""A plan per pipeline stage: each pp rank's recompute choices under one budget for every rank.
+
+Formulation. A pp rank's memory curve is the replay of its stages' programs over the schedule
+(:mod:`planner.simulation.pipeline_step`), and that replay is linear in the programs: a block
+option (:mod:`planner.solver.options`) changes the stage's F and B programs by the events of its
+choice (:func:`planner.simulation.effects.choice_effect`), so the rank's curve under any set of
+options is the no-plan curve plus each option's own change, replayed over the schedule, where
+every microbatch that is in flight carries what the option changes in it. All curves are laid on
+the same rows (every option's recompute replay adds its sample rows before its span's backward),
+so one linear constraint per distinct row is exact; CP-SAT picks one option per block minimising
+the recompute seconds of the rank, each rank on its own (its stages are its own). The result is
+checked by replaying every rank with the chosen choices, as ``simulate --pp --plan`` does.
+
+Schedules with a split backward (zero-bubble, DualPipeV) are refused for now: their I step keeps
+what W needs, which a recompute's replay would have to be placed in as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from costmodels.hardware import get_device
+from planner.config import DEFAULT_TIME_LIMIT_S, TrainConfig
+from planner.errors import InfeasibleBudget, MemplanError, SolverTimeout
+from planner.plans.format import Plan, Predicted, SolverInfo, StagePlan, StagePlans
+from planner.signals import interruptible
+from planner.simulation.costs import op_times
+from planner.simulation.effects import SpanChoice, choices_from_decisions, op_keys
+from planner.simulation.pipeline import simulate_pipeline
+from planner.simulation.pipeline_schedule import PipelineSchedule, pipeline_schedule
+from planner.simulation.pipeline_split import StageCut, cut_stages
+from planner.simulation.pipeline_step import (
+    StageMemory,
+    fsdp_extras,
+    replay_rank,
+    replay_rows,
+    stage_effects,
+    stage_programs,
+)
+from planner.solver.baselines import block_spans
+from planner.solver.cpsat import RELATIVE_GAP_LIMIT, _match
+from planner.solver.cpsat_solver import deterministic_solver
+from planner.solver.options import block_options
+from planner.solver.planning import decisions_for, graph_model_info
+from planner.tracing.graph import OpGraph
+from planner.units import format_bytes
+
+__all__ = ["RankPlan", "PipelinePlan", "solve_pipeline", "uniform_choices", "evaluate_pipeline", "stage_plans"]
+
+SPLIT_BACKWARD = ("I", "W")
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One pp rank's plan: its stages' choices, peaks without and with them, seconds they add."""
+
+    rank: int
+    stages: tuple[int, ...]
+    in_flight: int
+    peak_without: int
+    peak_with: int
+    recompute_s: float  # per step: every microbatch's backward on this rank's stages
+    choices: tuple[SpanChoice, ...]
+    option_names: tuple[str, ...]
+    status: str
+    wall_s: float
+
+
+@dataclass(frozen=True)
+class PipelineEvaluation:
+    """Every pp rank's peak and the step's time under some choices (replayed, not modelled)."""
+
+    peaks: tuple[int, ...]
+    recompute_s: tuple[float, ...]  # per pp rank, per step
+    step_s: float
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Per-rank plans, the pipeline step without and with them, and the split they hold for."""
+
+    ranks: tuple[RankPlan, ...]
+    budget_bytes: int
+    schedule: PipelineSchedule
+    cuts: tuple[StageCut, ...]
+    step_s_without: float
+    step_s_with: float
+
+    @property
+    def choices(self) -> tuple[SpanChoice, ...]:
+        return tuple(c for r in self.ranks for c in r.choices)
+
+    def to_dict(self) -> dict:
+        return {
+            "budget_bytes": self.budget_bytes,
+            "schedule": self.schedule.name,
+            "step_s_without": self.step_s_without,
+            "step_s_with": self.step_s_with,
+            "ranks": [
+                {
+                    "pp_rank": r.rank,
+                    "stages": list(r.stages),
+                    "in_flight": r.in_flight,
+                    "peak_without_bytes": r.peak_without,
+                    "peak_with_bytes": r.peak_with,
+                    "recompute_s": r.recompute_s,
+                    "options": list(r.option_names),
+                    "status": r.status,
+                }
+                for r in self.ranks
+            ],
+        }
+
+
+def _setup(graph: OpGraph, config: TrainConfig):
+    schedule = pipeline_schedule(config)
+    if any(a.kind in SPLIT_BACKWARD for r in range(schedule.pp) for a in schedule.compute(r)):
+        raise MemplanError(
+            f"per-stage plans cover schedules without a split backward for now (gpipe, 1f1b, interleaved-1f1b, "
+            f"looped-bfs), not {config.pp_schedule}; simulate it with memplan simulate --pp"
+        )
+    base = simulate_pipeline(graph, config)  # checks the layout, resolves --pp-split (auto included)
+    cuts = cut_stages(graph, base.blocks_per_stage)
+    return schedule, cuts, base
+
+
+def evaluate_pipeline(
+    graph: OpGraph, config: TrainConfig, choices: Sequence[SpanChoice], cuts: tuple[StageCut, ...] | None = None
+) -> PipelineEvaluation:
+    """Replay every pp rank under `choices` (span choices inside stages): peaks and step time."""
+    cuts = cuts if cuts is not None else _setup(graph, config)[1]
+    result = simulate_pipeline(graph, config.with_(pp_split=",".join(str(c.num_blocks) for c in cuts)), choices)
+    schedule = result.schedule
+    effects = stage_effects(graph, config, cuts, choices)
+    m = schedule.microbatches
+    per_rank = tuple(
+        m * sum(e.effect.recompute_s for e in effects if e.stage in schedule.stages(r)) for r in range(schedule.pp)
+    )
+    return PipelineEvaluation(tuple(r.peak_bytes for r in result.layout.roles), per_rank, result.time.step_s)
+
+
+def _diff(with_: list[StageMemory], without: list[StageMemory]) -> list[StageMemory]:
+    """What a choice changes, as stages holding nothing but the change."""
+    zero = np.zeros_like(without[0].persistent)
+    return [
+        dataclasses.replace(
+            b,
+            persistent=zero,
+            sent_bytes=zero,
+            grad_sent_bytes=zero,
+            programs={k: a.programs[k].minus(p) for k, p in b.programs.items()},
+            optimizer_bytes=0,
+            optimizer_step_temporary=0,
+            param_shapes=(),
+        )
+        for a, b in zip(with_, without)
+    ]
+
+
+def _solve_rank(base: np.ndarray, deltas: list[list[np.ndarray | None]], costs, budget: int, time_limit_s: float):
+    """CP-SAT: one option per block, every row of base + chosen deltas <= budget, least seconds."""
+    flat = [(r, k) for r, row in enumerate(deltas) for k, d in enumerate(row) if d is not None]
+    if not flat:
+        return ("OPTIMAL" if base.max() <= budget else "INFEASIBLE"), [0] * len(deltas), 0.0, 0.0
+    matrix = np.stack([deltas[r][k] for r, k in flat], axis=1)  # (rows, options)
+    moving = np.any(matrix != 0, axis=1)
+    if base[~moving].max(initial=0) > budget:
+        return "INFEASIBLE", None, 0.0, 0.0
+    unique, inverse = np.unique(matrix[moving], axis=0, return_inverse=True)
+    worst = np.full(len(unique), np.iinfo(np.int64).min, dtype=np.int64)
+    np.maximum.at(worst, inverse.reshape(-1), base[moving])
+    model = cp_model.CpModel()
+    unit = max(1, math.ceil(budget / 10_000_000))  # bytes per model unit, rounded on the safe side
+    y = [[model.NewBoolVar(f"y{r}_{k}") for k in range(len(row))] for r, row in enumerate(deltas)]
+    for row in y:
+        model.AddExactlyOne(row)
+    var = [y[r][k] for r, k in flat]
+    for coeffs, top in zip(unique, worst):
+        terms = [int(math.ceil(c / unit)) * v for c, v in zip(coeffs.tolist(), var) if c]
+        model.Add(sum(terms) <= budget // unit - int(math.ceil(top / unit)))
+    scale = max(max((c for row in costs for c in row), default=0.0), 1e-12) / 1_000_000
+    model.Minimize(sum(int(round(c / scale)) * y[r][k] for r, row in enumerate(costs) for k, c in enumerate(row)))
+    solver = deterministic_solver(time_limit_s)
+    solver.parameters.relative_gap_limit = RELATIVE_GAP_LIMIT
+    with interruptible(solver):
+        status = solver.Solve(model)
+    name = solver.StatusName(status)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return name, None, 0.0, 0.0
+    picks = [next(k for k, v in enumerate(row) if solver.Value(v)) for row in y]
+    return name, picks, solver.ObjectiveValue() * scale, solver.BestObjectiveBound() * scale
+
+
+def _least(base: np.ndarray, deltas: list[list[np.ndarray | None]]) -> np.ndarray:
+    """A low curve the options reach: block by block, the option that lowers the peak the most."""
+    curve = base.copy()
+    for row in deltas:
+        real = [d for d in row if d is not None]
+        if real:
+            curve = curve + min(real, key=lambda d: int((curve + d).max()))
+    return curve
+
+
+def solve_pipeline(
+    graph: OpGraph,
+    config: TrainConfig,
+    budget_bytes: int,
+    *,
+    keep: Sequence[str] = (),
+    recompute: Sequence[str] = (),
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+) -> PipelinePlan:
+    """The cheapest recompute choices per pp rank that keep every rank's replayed peak within
+    `budget_bytes`; `graph` is the step traced at one microbatch's batch. Raises InfeasibleBudget
+    naming the rank that cannot fit."""
+    if budget_bytes <= 0:
+        raise MemplanError(f"budget must be positive, got {budget_bytes}")
+    if not time_limit_s > 0:
+        raise MemplanError(f"--time-limit must be a positive number of seconds, got {time_limit_s}")
+    schedule, cuts, baseline = _setup(graph, config)
+    paths = [r.path for r in graph.regions]
+    keep_set, force_set = _match(paths, keep, "--keep"), _match(paths, recompute, "--recompute")
+    if keep_set & force_set:
+        raise MemplanError(f"modules both kept and recomputed: {', '.join(sorted(keep_set & force_set))}")
+    times = op_times(graph, get_device(config.gpu))
+    spans = block_spans(graph)
+    options, effects = [], []
+    for span in spans:
+        opts = [o for o in block_options(graph, span, times, None) if span.path not in keep_set or o.choice is None]
+        if span.path in force_set:
+            opts = [o for o in opts if o.choice is not None and o.choice.span.path == span.path]
+        options.append(opts)
+        effects.append([None if o.choice is None else stage_effects(graph, config, cuts, [o.choice])[0] for o in opts])
+    rows = replay_rows([e for row in effects for e in row if e is not None])
+    base_stages = stage_programs(graph, config, cuts, rows=rows)
+    extras = fsdp_extras(graph, config)
+    zero_extras = np.zeros_like(extras)
+    step_without = baseline.time.step_s
+    stage_of_block = [int(next(c.index for c in cuts if c.fwd_start <= s.fwd_start < c.fwd_end)) for s in spans]
+    ranks: list[RankPlan] = []
+    for r in range(schedule.pp):
+        t0 = time.perf_counter()
+        own = set(schedule.stages(r))
+        base = replay_rank(graph, config, base_stages, schedule, r, step_without, extras)[0].total
+        blocks = [b for b, s in enumerate(stage_of_block) if s in own]
+        deltas, costs = [], []
+        for b in blocks:
+            row_d, row_c = [], []
+            for e in effects[b]:
+                if e is None:
+                    row_d.append(None)
+                    row_c.append(0.0)
+                    continue
+                with_ = stage_programs(graph, config, cuts, [e], only=e.moved, rows=rows)
+                without = stage_programs(graph, config, cuts, only=e.moved, rows=rows)
+                d = replay_rank(graph, config, _diff(with_, without), schedule, r, 0.0, zero_extras)[0].total
+                row_d.append(d)
+                row_c.append(e.effect.recompute_s * schedule.microbatches)
+            if all(d is None for d in row_d):
+                row_d = [None]
+                row_c = [0.0]
+            deltas.append([np.zeros_like(base) if d is None and len(row_d) > 1 else d for d in row_d])
+            costs.append(row_c)
+        status, picks, _, _ = _solve_rank(base, deltas, costs, budget_bytes, time_limit_s)
+        if picks is None:
+            if status != "INFEASIBLE":
+                raise SolverTimeout(
+                    f"the solver found no plan for pp rank {r} within --time-limit {time_limit_s:g}s ({status}); "
+                    "raise --time-limit"
+                )
+            least = _least(base, deltas)
+            raise InfeasibleBudget(
+                f"budget {format_bytes(budget_bytes)} is infeasible for pp rank {r} (stages "
+                f"{','.join(map(str, sorted(own)))}, {baseline.in_flight[r]} microbatches in flight): the smallest "
+                f"peak memplan reaches there is {format_bytes(int(least.max()))}; raise --budget, add stages "
+                "(--pp), or cut model states (--precision bf16-mixed, --zero 3 --dp N)",
+                smallest_peak_bytes=int(least.max()),
+            )
+        chosen = [(options[b][k], effects[b][k]) for b, k in zip(blocks, picks) if k < len(options[b])]
+        modelled = base + sum((deltas[i][k] for i, k in enumerate(picks) if deltas[i][k] is not None), 0)
+        ranks.append(
+            RankPlan(
+                rank=r,
+                stages=tuple(sorted(own)),
+                in_flight=baseline.in_flight[r],
+                peak_without=baseline.layout.roles[r].peak_bytes,
+                peak_with=int(np.max(modelled)),
+                recompute_s=sum(e.effect.recompute_s for _, e in chosen if e is not None) * schedule.microbatches,
+                choices=tuple(o.choice for o, _ in chosen if o.choice is not None),
+                option_names=tuple(o.name for o, _ in chosen),
+                status=status,
+                wall_s=time.perf_counter() - t0,
+            )
+        )
+    plan = PipelinePlan(tuple(ranks), budget_bytes, schedule, cuts, step_without, 0.0)
+    check = evaluate_pipeline(graph, config, plan.choices, cuts)
+    for rp, peak in zip(ranks, check.peaks):
+        if peak != rp.peak_with or peak > budget_bytes:
+            raise AssertionError(
+                f"the pipeline model ({rp.peak_with} B) and the replay ({peak} B) disagree on pp rank "
+                f"{rp.rank}'s peak under a budget of {budget_bytes} B"
+            )
+    return dataclasses.replace(plan, step_s_with=check.step_s)
+
+
+def _local(path: str, block: str) -> str:
+    return path.replace(block, "<block>", 1)
+
+
+def uniform_choices(graph: OpGraph, config: TrainConfig, plan: PipelinePlan) -> list[SpanChoice]:
+    """One plan for all stages: the choices of the stage that recomputes the most, repeated on every
+    stage's blocks by position (the k-th block of each stage treated as that stage's k-th block)."""
+    times = op_times(graph, get_device(config.gpu))
+    spans = block_spans(graph)
+    by_stage = [[s for s in spans if c.fwd_start <= s.fwd_start < c.fwd_end] for c in plan.cuts]
+    source = max(plan.ranks, key=lambda r: r.recompute_s)
+    src_stage = source.stages[0]
+    names = []
+    for s in by_stage[src_stage]:
+        picked = next(
+            (c for c in source.choices if c.span.path == s.path or c.span.path.startswith(s.path + ".")), None
+        )
+        names.append(picked)
+    out = []
+    for blocks in by_stage:
+        for k, span in enumerate(blocks):
+            src = names[min(k, len(names) - 1)] if names else None
+            if src is None:
+                continue
+            src_block = by_stage[src_stage][min(k, len(names) - 1)]
+            opts = block_options(graph, span, times, None)
+            want = _local(src.span.path, src_block.path)
+            src_keys = _keep_keys(graph, src)
+            match = next(
+                (
+                    o.choice
+                    for o in opts
+                    if o.choice is not None
+                    and _local(o.choice.span.path, span.path) == want
+                    and _keep_keys(graph, o.choice) == src_keys
+                ),
+                None,
+            )
+            out.append(match if match is not None else dataclasses.replace(src, span=span, keep_ops=frozenset()))
+    return out
+
+
+def _keep_keys(graph: OpGraph, choice: SpanChoice) -> tuple[str, ...]:
+    keys = op_keys(graph, choice.span)
+    return tuple(sorted(keys[i] for i in choice.keep_ops))
+
+
+def stage_plans(graph: OpGraph, config: TrainConfig, plan: PipelinePlan, strategy: str = "optimal") -> StagePlans:
+    """The plan file: one Plan per stage (its blocks' decisions; the rank's predicted peaks)."""
+    m = plan.schedule.microbatches
+    out = []
+    for rp in plan.ranks:
+        for s in rp.stages:
+            c = plan.cuts[s]
+            own = [ch for ch in rp.choices if c.fwd_start <= ch.span.fwd_start < c.fwd_end]
+            effects = stage_effects(graph, config, plan.cuts, own)
+            recompute_s = m * sum(e.effect.recompute_s for e in effects)
+            regions = sorted(graph.regions, key=lambda r: r.fwd_start)[c.block_start : c.block_end]
+            p = StagePlan(
+                stage=s,
+                pp_rank=rp.rank,
+                in_flight=rp.in_flight,
+                blocks=tuple(r.path for r in regions),
+                plan=_stage_plan(graph, config, plan, rp, own, recompute_s, effects, strategy),
+            )
+            out.append(p)
+    return StagePlans(
+        schedule=plan.schedule.name,
+        pp=plan.schedule.pp,
+        microbatches=m,
+        budget_bytes=plan.budget_bytes,
+        stages=tuple(sorted(out, key=lambda p: p.stage)),
+    )
+
+
+def _stage_plan(graph, config, plan: PipelinePlan, rp: RankPlan, own, recompute_s, effects, strategy):
+    added = plan.step_s_with - plan.step_s_without
+    return Plan(
+        model=graph_model_info(graph),
+        config={**config.to_dict(), **graph.assumptions()},
+        budget_bytes=plan.budget_bytes,
+        strategy=strategy,
+        decisions=decisions_for(graph, own),
+        predicted=Predicted(
+            peak_bytes=rp.peak_with,
+            baseline_peak_bytes=rp.peak_without,
+            recompute_flops=plan.schedule.microbatches * sum(e.effect.recompute_flops for e in effects),
+            recompute_s=recompute_s,
+            offload_bytes=0,
+            exposed_offload_s=0.0,
+            step_s=plan.step_s_with,
+            overhead=added / plan.step_s_without if plan.step_s_without > 0 else 0.0,
+        ),
+        solver=SolverInfo(status=rp.status, objective=rp.recompute_s, bound=0.0, gap=0.0, wall_s=rp.wall_s),
+    )
+
+
+def choices_of(graph: OpGraph, plans: StagePlans) -> list[SpanChoice]:
+    """Every stage plan's decisions as span choices on the whole step's trace."""
+    return [c for p in plans.stages for c in choices_from_decisions(graph, p.plan.decisions)]
