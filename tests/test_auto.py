@@ -133,3 +133,21 @@ def test_config_defaults_and_bad_options():
     message = str(infeasible.value)
     assert "--" not in message and "raise budget" in message and "precision='bf16-mixed'" in message
     handle.remove()
+
+
+@pytest.mark.slow
+def test_moe_routing_assumption_is_taken_and_stored_in_the_plan():
+    pytest.importorskip("transformers")
+    from benchmarks.zoo_models import mixtral_loop
+
+    torch.manual_seed(0)
+    model, inputs = mixtral_loop(2, 32)
+    plan = plan_for(model, inputs, "95%", gpu="cpu", moe_imbalance=2.0)
+    routing = plan.config["moe_routing"]  # as memplan plan stores it
+    assert plan.config["moe_imbalance"] == 2.0 and routing["imbalance"] == 2.0
+    assert routing["routers"] == 2 and routing["busiest_expert_rows"] == 2 * routing["mean_rows_per_expert"]
+    with auto_checkpoint(model, inputs, "95%", gpu="cpu") as handle:
+        assert handle.plan.config["moe_routing"]["imbalance"] == 1.0
+        assert "balanced (moe_imbalance)" in handle.routing and "--" not in handle.routing
+    with pytest.raises(MemplanError, match="moe_imbalance|MoE imbalance"):
+        plan_for(model, inputs, "80%", gpu="cpu", moe_imbalance=0.5)

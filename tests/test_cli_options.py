@@ -16,7 +16,13 @@ ATTRIBUTE_LAYERS = "benchmarks.zoo_models:attribute_layers"
 def test_help_shows_defaults(capsys):
     code, out, _ = run(["plan", "--help"], capsys)
     assert code == 0
-    for text in ("--batch-size", "(default: 1)", "(default: 512)", "(default: cpu)", "(default: 0.05)"):
+    for text in (
+        "--batch-size",
+        "(default: 1)",
+        "(default: 512, or the model's position limit",
+        "(default: cpu)",
+        "(default: 0.05)",
+    ):
         assert text in out
     assert "percentage of the no-plan" in out
 
@@ -96,3 +102,15 @@ def test_layouts_memplan_does_not_model_are_refused_in_one_line(capsys):
     for argv, needle in cases:
         code, _, err = run(argv, capsys)
         assert_user_error(code, err, argv[0], needle)
+
+
+def test_seq_len_defaults_to_the_models_position_limit(tmp_path, capsys):
+    out_path = tmp_path / "plan.json"
+    code, _, err = run(["plan", "--model", "gpt2-tiny", "--out", str(out_path)], capsys)
+    assert code == 0, err
+    assert json.loads(out_path.read_text())["config"]["seq_len"] == 128  # its 128 positions, not 512
+
+
+def test_seq_len_over_the_models_position_limit_is_one_line(capsys):
+    code, _, err = run(["simulate", "--model", "gpt2-tiny", "--seq-len", "256"], capsys)
+    assert_user_error(code, err, "simulate", "exceeds the model's 128 positions", "--seq-len 128")

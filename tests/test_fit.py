@@ -82,3 +82,22 @@ def test_bad_arguments() -> None:
         fit("gpt2-tiny", TrainConfig(seq_len=64), max_gpus=0)
     with pytest.raises(ValueError, match="gpus"):
         largest_fitting("gpt2-tiny", TrainConfig(seq_len=64), 0)
+
+
+def test_nothing_fits_says_what_binds() -> None:
+    # activations alone exceed an L40S: the advice says so instead of "raise --max-gpus"
+    r = fit("gpt2", TrainConfig(batch_size=64, seq_len=1024, gpu="l40s"), max_gpus=4, time_limit_s=5.0)
+    assert r.min_gpus_without_plan is None
+    assert "activations and temporaries" in r.why_not_without_plan
+    assert "no GPU count fits" in r.why_not_without_plan and "--max-gpus" not in r.why_not_without_plan
+    assert r.to_dict()["why_not_without_plan"] == r.why_not_without_plan
+    if r.min_gpus_with_plan is None:
+        assert "even recomputing every block" in r.why_not_with_plan
+
+
+@pytest.mark.slow
+def test_model_states_that_need_more_gpus_say_raise_max_gpus() -> None:
+    r = fit("llama-7b", TrainConfig(batch_size=1, seq_len=64, gpu="l40s"), max_gpus=1, time_limit_s=5.0)
+    assert r.min_gpus_without_plan is None and r.min_gpus_with_plan is None
+    assert "model states alone" in r.why_not_without_plan and "raise --max-gpus" in r.why_not_without_plan
+    assert "model states alone" in r.why_not_with_plan

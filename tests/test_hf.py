@@ -71,3 +71,24 @@ def test_hf_config_without_an_architecture_that_is_no_causal_lm_says_what_to_add
     (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in VIT.items() if k != "architectures"}))
     with pytest.raises(SpecError, match='"architectures"'):
         verify_model(f"hf:{tmp_path / 'config.json'}", TrainConfig(batch_size=1, seq_len=32))
+
+
+BART = f"hf:{__import__('pathlib').Path(__file__).parent / 'data' / 'bart_tiny' / 'config.json'}"
+
+
+def test_hf_encoder_decoder_traces_and_is_predicted_within_3_percent():
+    # BART's decoder makes its own float mask of ones; transformers' masking_utils reads it
+    # (`padding_mask.sum() == numel`): its real value answers, it is no model data
+    result = verify_model(BART, TrainConfig(batch_size=2, seq_len=64))
+    assert abs(result.error) <= 0.03, result
+
+
+@pytest.mark.slow
+def test_hf_encoder_decoder_plan_fits_and_is_predicted():
+    config = TrainConfig(batch_size=2, seq_len=64)
+    _, _, baseline = plan_model(BART, config, 10**12)
+    plan, _, _ = plan_model(BART, config, int(0.8 * baseline))
+    assert plan.decisions
+    result = verify_model(BART, config, plan)
+    assert result.measured_bytes <= plan.budget_bytes
+    assert abs(result.error) <= 0.03, result

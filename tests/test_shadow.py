@@ -76,3 +76,16 @@ def test_control_flow_on_activations_is_one_line_naming_op_module_and_line():
     assert "\n" not in message
     assert "test_shadow.py:" in message and "if h.sum() > 0" in message
     assert "aten." in message
+
+
+def test_constant_float_factories_get_shadows_random_ones_do_not():
+    from memplan_compat import FakeTensorMode as _Fake
+    from planner.tracing.shadow import ShadowMode
+
+    fake = _Fake()
+    with fake, ShadowMode(fake) as shadow:
+        ones = torch.ones(2, 8)
+        mask = ones.bool()
+        assert bool((mask.sum() == mask.numel()).item())  # answered from the shadow
+        noise = torch.randn(2, 8)
+        assert shadow.real(noise) is None and shadow.real(ones) is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -11,7 +12,7 @@ from torch._subclasses import FakeTensorMode
 
 from planner.errors import SpecError
 from planner.tracing.models import KwargsLlama, Llama, LlamaConfig, repeat_kv
-from planner.tracing.specs import PRESETS, ModelSpec, list_presets, resolve_spec
+from planner.tracing.specs import PRESETS, ModelSpec, default_seq_len, list_presets, resolve_spec
 
 TINY = [name for name in PRESETS if name.endswith("-tiny")]
 BIG = {  # preset -> (expected parameter count, relative tolerance)
@@ -225,3 +226,18 @@ def test_hf_spec_with_a_missing_config_is_one_line(tmp_path) -> None:
     """Building real Hugging Face models from configs is tested in tests/test_hf.py and tests/test_zoo.py."""
     with pytest.raises(SpecError, match="Hugging Face config .*missing.json not found"):
         resolve_spec(f"hf:{tmp_path}/missing.json")
+
+
+def test_default_seq_len_is_512_or_the_models_position_limit(tmp_path):
+    assert default_seq_len("gpt2-tiny") == 128
+    assert default_seq_len("gpt2") == 512  # 1024 positions: 512 stays the default
+    assert default_seq_len("llama-7b-tiny") == 512  # rotary: no limit
+    assert default_seq_len("tests/none.py:build") == 512  # user files are not imported for this
+    pytest.importorskip("transformers")
+    gpt2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 128, "n_positions": 64}
+    gpt2 |= {"n_embd": 32, "n_layer": 1, "n_head": 2}
+    (tmp_path / "config.json").write_text(json.dumps(gpt2))
+    spec = f"hf:{tmp_path / 'config.json'}"
+    assert default_seq_len(spec) == 64
+    with pytest.raises(SpecError, match="exceeds the 64 positions.*--seq-len 64"):
+        resolve_spec(spec).build(1, 65)

@@ -21,6 +21,7 @@ from planner.solver.baselines import strategy_choices
 from planner.solver.planning import solve
 from planner.tracing.graph import OpGraph
 from planner.tracing.recorder import trace_for
+from planner.units import format_bytes
 
 __all__ = ["FitResult", "fit", "largest_fitting"]
 
@@ -40,6 +41,8 @@ class FitResult:
     capacity_bytes: int = 0
     max_gpus: int = 0
     configurations: ConfigurationReport | None = None  # the cheapest-configuration search, when asked
+    why_not_without_plan: str | None = None  # what binds when no count fits without a plan
+    why_not_with_plan: str | None = None  # what binds when no count fits even with a plan
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -52,6 +55,8 @@ class FitResult:
             "capacity_bytes": self.capacity_bytes,
             "max_gpus": self.max_gpus,
             "configurations": None if self.configurations is None else self.configurations.to_dict(),
+            "why_not_without_plan": self.why_not_without_plan,
+            "why_not_with_plan": self.why_not_with_plan,
         }
 
 
@@ -142,6 +147,38 @@ def _smallest(ok: Callable[[int], bool], limit: int) -> int | None:
     return hi
 
 
+_STATES = ("parameter", "gradient", "optimizer")
+
+
+def _binding(tl, gpus: int, budget: int, planned: bool) -> str:
+    """What keeps a step (timeline `tl` at `gpus` ZeRO-3 GPUs) over the budget: the model states,
+    which more GPUs shrink, or the activations and temporaries at the peak, which they do not."""
+    fb = format_bytes
+    states = sum(tl.model_states.values())
+    at_peak = tl.breakdown_at_peak
+    unsharded = at_peak.get("activation", 0) + at_peak.get("temporary", 0)
+    where = f"at the peak ({tl.peak_phase}, {tl.peak_op})"
+    if states > budget:
+        return (
+            f"the model states alone are {fb(states)} per GPU on {gpus} GPUs, over the budget {fb(budget)}: "
+            "more GPUs shrink them, so raise --max-gpus (or use a lighter optimizer or precision)"
+        )
+    what = "even recomputing every block, the activations" if planned else "the activations"
+    if unsharded > budget:
+        return (
+            f"{what} and temporaries {where} are {fb(unsharded)}, over the budget {fb(budget)} by themselves: "
+            "ZeRO-3 shards model states, not activations, so no GPU count fits"
+            + ("; shorten the sequence or the batch" if planned else "; a plan or a shorter sequence or batch")
+        )
+    states_at_peak = sum(at_peak.get(k, 0) for k in _STATES)
+    return (
+        f"on {gpus} GPUs the model states ({fb(states_at_peak)}) and the "
+        + ("activations of full recompute" if planned else "activations")
+        + f" and temporaries ({fb(unsharded)}) {where} make {fb(tl.peak_bytes)}, over the budget {fb(budget)}; "
+        f"more GPUs shrink only the states: raise --max-gpus, or shorten the sequence or the batch"
+    )
+
+
 def _fewest_gpus(report: ConfigurationReport, config: TrainConfig) -> tuple[int | None, int | None]:
     """The fewest GPUs the configuration search found for the config as given (its optimizer, no host
     offload, no micro-batching): without a plan, and with one where needed."""
@@ -189,6 +226,12 @@ def fit(
     else:
         without = _smallest(lambda n: check.fits(at(n)), max_gpus)
         with_plan = _smallest(lambda n: check.plan_fits(at(n)), without if without is not None else max_gpus)
+    why_without = why_with = None
+    if without is None and not check.fits(at(max_gpus)):
+        why_without = _binding(check.bare(at(max_gpus)), max_gpus, budget, planned=False)
+    if with_plan is None and not check.plan_fits(at(max_gpus)):
+        full = simulate(check.graph, at(max_gpus), choices=strategy_choices(check.graph, "full"))
+        why_with = _binding(full, max_gpus, budget, planned=True)
     return FitResult(
         min_gpus_without_plan=without,
         min_gpus_with_plan=with_plan,
@@ -199,6 +242,8 @@ def fit(
         capacity_bytes=capacity,
         max_gpus=max_gpus,
         configurations=configurations,
+        why_not_without_plan=why_without,
+        why_not_with_plan=why_with,
     )
 
 

@@ -98,7 +98,10 @@ def run(args) -> None:
         )
     )
     if r.min_gpus_without_plan is None:
-        print(f"does not fit on up to {args.max_gpus} GPUs without a plan; raise --max-gpus or shorten the sequence")
+        why = r.why_not_without_plan or "raise --max-gpus or shorten the sequence"
+        print(f"does not fit on up to {args.max_gpus} GPUs without a plan: {why}")
+    if r.min_gpus_with_plan is None and r.why_not_with_plan:
+        print(f"does not fit on up to {args.max_gpus} GPUs with a plan either: {r.why_not_with_plan}")
     if r.configurations is not None:
         print(report.configurations_table(r.configurations, TABLE_ROWS))
     write_json(args.json_path, r.to_dict())

@@ -17,6 +17,7 @@ from planner.cli.guard import guarded_imports
 try:  # light, but a loaded machine may take a while: a Ctrl-C meanwhile is one line and 130 too
     with guarded_imports():
         from planner.cli import apply, calibrate, diagnose, fit, plan, simulate, verify, watch
+        from planner.cli.options import default_seq_len
         from planner.errors import MemplanError
         from planner.safe_io import clean
 except KeyboardInterrupt:
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _build_parser().parse_args(argv)
         command = f"memplan {args.command}"
+        default_seq_len(args)  # --seq-len not given: 512, or the model's position limit where smaller
         args.fn(args)
         sys.stdout.flush()  # a closed pipe fails here, inside the try, not at interpreter exit
     except BrokenPipeError:  # output piped into `head` and closed: not an error (an OSError, so first)

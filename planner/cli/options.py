@@ -17,6 +17,7 @@ __all__ = [
     "add_model_options",
     "add_layout_options",
     "config_from_args",
+    "default_seq_len",
     "refuse_layout",
     "write_json",
 ]
@@ -61,10 +62,12 @@ def add_model_options(p: argparse.ArgumentParser, sweep: bool = True, default_gp
     p.add_argument(
         "--seq-len",
         type=seq_lens if sweep else positive_int,
-        default=[512] if sweep else 512,
+        default=None,
         help="sequence length"
-        + (" (a comma list: a sweep for simulate/verify, one plan per bucket for plan)" if sweep else ""),
+        + (" (a comma list: a sweep for simulate/verify, one plan per bucket for plan)" if sweep else "")
+        + " (default: 512, or the model's position limit where smaller: 128 for gpt2-tiny)",
     )
+    p.set_defaults(seq_len_sweep=sweep)
     p.add_argument("--gpu", default=default_gpu, help="target device: " + ", ".join(DEVICES))
     p.add_argument(
         "--device-profile",
@@ -164,7 +167,21 @@ def add_layout_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp-split", default="uniform", metavar="uniform|auto|N1,N2,...", help="blocks per pipeline stage")
 
 
+def default_seq_len(args) -> None:
+    """Fill in --seq-len when not given: 512, or the model's position limit where smaller."""
+    if not hasattr(args, "seq_len") or args.seq_len is not None:
+        return
+    seq = 512  # planner.tracing.specs.DEFAULT_SEQ_LEN; a command without a model imports nothing heavy
+    if getattr(args, "model", None):
+        from planner.tracing.specs import default_seq_len as model_default
+
+        seq = model_default(args.model)
+    args.seq_len = [seq] if getattr(args, "seq_len_sweep", True) else seq
+
+
 def config_from_args(args, seq_len: int | None = None) -> TrainConfig:
+    if getattr(args, "seq_len", 0) is None:
+        default_seq_len(args)
     seq = seq_len if seq_len is not None else (args.seq_len[0] if isinstance(args.seq_len, list) else args.seq_len)
     return TrainConfig(
         batch_size=args.batch_size,

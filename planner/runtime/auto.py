@@ -34,6 +34,7 @@ from planner.simulation.step import Timeline, simulate
 from planner.solver.cpsat import prepare_replan, replan_choices
 from planner.solver.planning import make_plan, solve
 from planner.tracing.graph import OpGraph
+from planner.tracing.moe import describe_routing
 from planner.units import format_bytes
 
 __all__ = ["AutoHandle", "auto_checkpoint", "config_for", "plan_for"]
@@ -42,7 +43,7 @@ __all__ = ["AutoHandle", "auto_checkpoint", "config_for", "plan_for"]
 # deterministic time; on a 32-block model it bounds the worst re-plan seen (6.5 s) to 2.5 s with the
 # same predicted overhead.
 REPLAN_TIME_LIMIT_S = 1.0
-_CONFIG_FIELDS = ("precision", "optimizer", "zero_stage", "dp", "gpu", "grad_accum_steps")
+_CONFIG_FIELDS = ("precision", "optimizer", "zero_stage", "dp", "gpu", "grad_accum_steps", "moe_imbalance")
 _PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 # CUDA device names (torch.cuda.get_device_name) -> memplan device, longest match first.
 _GPU_NAMES = (("H200", "h200"), ("H100", "h100-80gb"), ("L40S", "l40s"), ("MI300X", "mi300x"))
@@ -58,6 +59,7 @@ _PYTHON_WORDS = (
     (r"--time-limit", "time_limit_s"),
     (r"--budget", "budget"),
     (r"--gpu (\S+)", r"gpu='\1'"),
+    (r"--moe-imbalance", "moe_imbalance"),
 )
 
 
@@ -247,6 +249,13 @@ class AutoHandle:
         return self._in_force
 
     @property
+    def routing(self) -> str | None:
+        """The mixture-of-experts routing the plan in force assumes (moe_imbalance=), as one line;
+        None for a model without routers. The plan's config holds it too, as `moe_routing`."""
+        routing = self._in_force.config.get("moe_routing")
+        return None if routing is None else _python_words(describe_routing(routing))
+
+    @property
     def predicted_peak_bytes(self) -> int:
         return self._in_force.predicted.peak_bytes
 
@@ -367,7 +376,13 @@ def _trace_all(
 ) -> tuple[TrainConfig, LiveTracer, dict[int, OpGraph]]:
     inputs = _as_inputs(inputs)
     train_config = config_for(model, inputs, **config)
-    tracer = LiveTracer(model, train_config.precision, name=type(model).__name__, blocks=blocks)
+    tracer = LiveTracer(
+        model,
+        train_config.precision,
+        name=type(model).__name__,
+        blocks=blocks,
+        moe_imbalance=train_config.moe_imbalance,
+    )
     graphs = {train_config.seq_len: tracer.trace(inputs)}
     lengths = [n for n, _ in seq_lens.buckets] if isinstance(seq_lens, PlanLadder) else list(seq_lens)
     for n in lengths:
@@ -413,7 +428,9 @@ def auto_checkpoint(
     """Trace `model` on fake copies of `inputs`, solve under `budget` and apply the plan.
 
     `budget`: bytes, a size such as '8GiB', or a percentage of the no-plan peak such as '60%'.
-    `config`: TrainConfig fields (precision, optimizer, zero_stage, dp, gpu, grad_accum_steps);
+    `config`: TrainConfig fields (precision, optimizer, zero_stage, dp, gpu, grad_accum_steps,
+    moe_imbalance: the routing a mixture-of-experts trace assumes, stored in the plan's config as
+    `moe_routing` and told by `handle.routing`);
     precision and gpu default to the model's dtype and device, shapes come from `inputs` (one
     micro-batch: with grad_accum_steps N the plan holds the gradients of N - 1 earlier ones). With `seq_lens` (a list or
     a PlanLadder's lengths) the handle follows the batch's sequence length (dim 1 of its first

@@ -54,7 +54,15 @@ def _outside_autocast() -> Iterator[None]:
 class LiveTracer:
     """Traces a live model at the shapes of real batches, on a fake copy made once (no real memory)."""
 
-    def __init__(self, model: nn.Module, precision: str, *, name: str = "model", blocks: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        precision: str,
+        *,
+        name: str = "model",
+        blocks: Sequence[str] = (),
+        moe_imbalance: float = 1.0,
+    ) -> None:
         if any(getattr(m.__dict__.get("forward"), "_memplan_wrapper", False) for m in model.modules()):
             raise MemplanError("this model already has a memplan plan applied; call remove() on its handle first")
         param_dtype = get_precision(precision).param_dtype
@@ -68,7 +76,8 @@ class LiveTracer:
         self.name = name
         self.blocks = tuple(blocks)
         self.fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-        self.shadow = ShadowMode(self.fake_mode, route=RoutingAssumption(1.0))
+        self.routing = RoutingAssumption(moe_imbalance)  # mixture-of-experts routing (tracing/moe.py)
+        self.shadow = ShadowMode(self.fake_mode, route=self.routing)
         memo: dict[int, Any] = {}
         with _disable_current_modes():  # a monitor's live-bytes counter must not see the copy
             with self.fake_mode:
@@ -103,6 +112,7 @@ class LiveTracer:
         """One forward, loss and backward of the fake copy on fake copies of `inputs` (real or fake)."""
         for p in self.fake_model.parameters():
             p.grad = None
+        self.routing.routers = 0
         with ExitStack() as stack:
             stack.enter_context(_disable_current_modes())  # a monitor's live-bytes counter must not see this
             stack.enter_context(torch.enable_grad())
@@ -120,6 +130,9 @@ class LiveTracer:
         args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
         seq_len = batch_seq_len(args, kwargs) if any(t.dim() >= 2 for t in tensors) else 1
         graph.meta.update(batch_size=int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 1, seq_len=seq_len)
+        if self.routing.routers:  # as planner.tracing.recorder.trace: the routers of one forward
+            self.routing.routers = sum(op.name == "aten.topk.default" for op in graph.ops[: graph.backward_start])
+            graph.meta["moe"] = self.routing.to_dict()
         self.fake_inputs[seq_len] = fake_inputs
         return graph
 

@@ -24,7 +24,7 @@ from torch import nn
 from planner.errors import SpecError
 from planner.tracing.models import random_tokens
 
-__all__ = ["disable_kv_cache", "eager_transformers", "hf_builder", "skip_init"]
+__all__ = ["disable_kv_cache", "eager_transformers", "hf_builder", "hf_max_positions", "skip_init"]
 
 
 def _build_hf(config_path: str, batch_size: int, seq_len: int) -> tuple[nn.Module, dict]:
@@ -45,12 +45,48 @@ def _build_hf(config_path: str, batch_size: int, seq_len: int) -> tuple[nn.Modul
             ) from e
     else:
         model = model_class(config)
+    _check_learned_positions(model, config_path, seq_len, _max_positions(config))
     if model.main_input_name == "pixel_values":
         channels = getattr(config, "num_channels", 3)
         labels = torch.randint(0, max(1, getattr(config, "num_labels", 2)), (batch_size,))
         return model, {"pixel_values": torch.randn(batch_size, channels, seq_len, seq_len), "labels": labels}
     input_ids, labels = random_tokens(batch_size, seq_len, config.vocab_size)
     return model, {"input_ids": input_ids, "labels": labels}
+
+
+def _max_positions(config: object) -> int | None:
+    """max_position_embeddings (n_positions, n_ctx: the same in older configs), None if absent."""
+    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _check_learned_positions(model: nn.Module, config_path: str, seq_len: int, limit: int | None) -> None:
+    """A SpecError when seq_len exceeds a table of learned positions (a rotary model's limit is soft:
+    transformers runs it longer, so only a position embedding makes it a hard one)."""
+    if limit is None or seq_len <= limit:
+        return
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1].lower()
+        if isinstance(module, nn.Embedding) and ("pos" in leaf or leaf == "wpe"):
+            raise SpecError(
+                f"sequence length {seq_len} exceeds the {limit} positions of {config_path}; "
+                f"use --seq-len {limit} or less"
+            )
+
+
+def hf_max_positions(config_path: str) -> int | None:
+    """The position limit a Hugging Face config states (max_position_embeddings / n_positions),
+    None when it states none or cannot be read (building it then reports why)."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(config_path)
+    except Exception:
+        return None
+    return _max_positions(config)
 
 
 def hf_builder(config_path: str) -> Callable[[int, int], tuple[nn.Module, dict]]:

@@ -3,8 +3,9 @@
 Token ids, positions, attention masks and routing indices are small integer or boolean tensors.
 Models branch on them (`if mask.all()`, `for e in expert_hit`, `torch.where(mask)`), which fake
 tensors cannot answer. A :class:`ShadowMode` keeps a real *shadow* of every such tensor: factory
-ops of integer/bool dtype and ops whose tensor inputs all have shadows run once more on the real
-shadows (cheap: they are small). Reading a value (`.item()`, `bool()`) is answered from the shadow;
+ops of integer/bool dtype, constant float factories (a mask of ones a decoder makes when given
+none) and ops whose tensor inputs all have shadows run once more on the real shadows (cheap: they
+are small). Reading a value (`.item()`, `bool()`) is answered from the shadow;
 an op with a data-dependent output size (`nonzero`, boolean indexing) gets a fake output of the
 size its real result has. Reading a value that has no shadow is a one-line :class:`TraceError`
 naming the op and the source line.
@@ -36,6 +37,22 @@ _READ_OPS = (
     "aten._local_scalar_dense.default",
     "aten.is_nonzero.default",
     "aten.equal.default",
+)
+# Factories whose values do not depend on anything (a mask of ones a decoder makes when given none):
+# their floating-point outputs get shadows too, an uninitialised or random one (a weight) does not.
+_CONSTANT_FACTORIES = frozenset(
+    f"aten.{name}"
+    for name in (
+        "ones.default",
+        "zeros.default",
+        "full.default",
+        "scalar_tensor.default",
+        "arange.default",
+        "arange.start",
+        "arange.start_step",
+        "linspace.default",
+        "eye.default",
+    )
 )
 _REWRITTEN_OPS = ("aten.index.Tensor", "aten._grouped_mm.default", "aten.topk.default")
 _DYNAMIC_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
@@ -179,7 +196,11 @@ class ShadowMode(TorchDispatchMode):
         if not outs:
             return
         has_inputs = any(isinstance(t, torch.Tensor) for t in tree_leaves((args, rkwargs)))
-        factory_ok = has_inputs or all(not (t.is_floating_point() or t.is_complex()) for t in outs)
+        factory_ok = (
+            has_inputs
+            or all(not (t.is_floating_point() or t.is_complex()) for t in outs)
+            or str(func) in _CONSTANT_FACTORIES
+        )
         if have and factory_ok and all(_small(t) for t in outs):
             real_out = self._run_real(func, rargs, rkwargs)
             for fake, real in zip(outs, [t for t in tree_leaves(real_out) if isinstance(t, torch.Tensor)]):

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from planner.errors import SpecError
-from planner.tracing.hf import hf_builder
+from planner.tracing.hf import hf_builder, hf_max_positions
 from planner.tracing.models import (
     GPT,
     MLP,
@@ -38,10 +38,12 @@ from planner.tracing.models import (
     random_tokens,
 )
 
-__all__ = ["ModelSpec", "PRESETS", "list_presets", "resolve_spec"]
+__all__ = ["DEFAULT_SEQ_LEN", "ModelSpec", "PRESETS", "default_seq_len", "list_presets", "resolve_spec"]
 
 Inputs = tuple[Any, ...] | dict[str, Any]
 SPEC_FORMS = "PATH.py:FUNC, package.module:FUNC, hf:PATH/config.json"
+DEFAULT_SEQ_LEN = 512
+"""Sequence length when none is given and the model's position limit is not smaller."""
 
 
 def _one_line(e: BaseException) -> str:
@@ -65,6 +67,8 @@ class ModelSpec:
     name: str
     description: str
     builder: Callable[..., tuple[nn.Module, Inputs]]
+    max_positions: int | None = None
+    """The longest sequence the model takes (learned positions), None when it has no such limit."""
 
     def build(self, batch_size: int, seq_len: int) -> tuple[nn.Module, Inputs]:
         """Build (model, inputs) in the caller's device/fake context; any failure becomes a SpecError."""
@@ -133,21 +137,29 @@ def _build_mlp(config: MLPConfig, batch_size: int, seq_len: int) -> tuple[nn.Mod
 # ----------------------------------------------------------------------------- presets
 
 
+def _gpt_spec(name: str, description: str, config: GPTConfig) -> ModelSpec:
+    return ModelSpec(name, description, partial(_build_gpt, config), config.block_size)
+
+
+def _encoder_spec(name: str, description: str, config: EncoderConfig) -> ModelSpec:
+    return ModelSpec(name, description, partial(_build_encoder, config), config.max_positions)
+
+
 def _llama(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int, theta: float = 1e4) -> LlamaConfig:
     return LlamaConfig(vocab, hidden, inter, layers, heads, kv, rope_theta=theta)
 
 
 _PRESET_LIST = [
-    ModelSpec("gpt2", "GPT-2 124M: 12 layers, 768 wide, 12 heads, 1024 positions", partial(_build_gpt, GPTConfig())),
-    ModelSpec(
+    _gpt_spec("gpt2", "GPT-2 124M: 12 layers, 768 wide, 12 heads, 1024 positions", GPTConfig()),
+    _gpt_spec(
         "gpt2-medium",
         "GPT-2 355M: 24 layers, 1024 wide, 16 heads, 1024 positions",
-        partial(_build_gpt, GPTConfig(n_layer=24, n_head=16, n_embd=1024)),
+        GPTConfig(n_layer=24, n_head=16, n_embd=1024),
     ),
-    ModelSpec(
+    _gpt_spec(
         "gpt2-tiny",
         "GPT-2 architecture, 2 layers, 64 wide, vocab 256, 128 positions",
-        partial(_build_gpt, GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=64)),
+        GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=64),
     ),
     ModelSpec(
         "llama-7b",
@@ -189,16 +201,10 @@ _PRESET_LIST = [
         "Mistral-7B architecture, 2 layers, hidden 128, 8 query / 2 key-value heads",
         partial(_build_llama, _llama(256, 128, 448, 2, 8, 2)),
     ),
-    ModelSpec(
-        "bert-base",
-        "BERT-base-style encoder with masked-LM head: 12 layers, 768 wide, 512 positions",
-        partial(_build_encoder, EncoderConfig()),
+    _encoder_spec(
+        "bert-base", "BERT-base-style encoder with masked-LM head: 12 layers, 768 wide, 512 positions", EncoderConfig()
     ),
-    ModelSpec(
-        "bert-tiny",
-        "BERT-style encoder, 2 layers, 128 wide, vocab 512",
-        partial(_build_encoder, EncoderConfig(512, 128, 2, 2, 512)),
-    ),
+    _encoder_spec("bert-tiny", "BERT-style encoder, 2 layers, 128 wide, vocab 512", EncoderConfig(512, 128, 2, 2, 512)),
     ModelSpec(
         "resnet-small",
         "ResNet-18-like CNN, 1000 classes; seq_len is the image side",
@@ -274,10 +280,21 @@ def resolve_spec(spec: str) -> ModelSpec:
         return PRESETS[spec]
     if spec.startswith("hf:"):
         config_path = spec.removeprefix("hf:")
-        return ModelSpec(spec, f"Hugging Face causal LM from {config_path}", hf_builder(config_path))
+        builder = hf_builder(config_path)
+        return ModelSpec(spec, f"Hugging Face causal LM from {config_path}", builder, hf_max_positions(config_path))
     target, sep, func_name = spec.rpartition(":")
     if not sep:
         raise SpecError(f"unknown model '{spec}'; presets: {', '.join(PRESETS)}; or use {SPEC_FORMS}")
     if target.endswith(".py"):
         return _file_spec(spec, target, func_name)
     return _module_spec(spec, target, func_name)
+
+
+def default_seq_len(spec: str) -> int:
+    """The sequence length a command uses when none is given: DEFAULT_SEQ_LEN, or the model's
+    position limit when smaller (presets and hf: configs; other specs are not imported for this)."""
+    if spec in PRESETS or spec.startswith("hf:"):
+        limit = resolve_spec(spec).max_positions
+        if limit is not None:
+            return min(DEFAULT_SEQ_LEN, limit)
+    return DEFAULT_SEQ_LEN
