@@ -14,9 +14,7 @@ python -m benchmarks.adaptive [--quick] [--out DIR]  (or python -m benchmarks --
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import statistics
 import tempfile
 import time
@@ -24,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import Options, gb, print_table, to_jsonable
+from benchmarks.common import Options, gb, print_table, standalone_main
 from planner.runtime.auto import auto_checkpoint
 from planner.runtime.monitor import MemoryMonitor
 from planner.tracing.models import Llama, LlamaConfig
@@ -224,16 +222,7 @@ def show(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.adaptive", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    args = p.parse_args(argv)
-    rows = run(Options(quick=args.quick))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "adaptive.json").write_text(json.dumps(to_jsonable(rows), indent=1))
-    show(rows)
-    print(f"wrote {out / 'adaptive.json'}")
+    standalone_main("adaptive", __doc__, run, show, argv)
     return 0
 
 

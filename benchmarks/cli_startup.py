@@ -6,15 +6,13 @@ python -m benchmarks.cli_startup [--quick] [--out DIR]  (or python -m benchmarks
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import Options, print_table, to_jsonable
+from benchmarks.common import Options, print_table, standalone_main
 from planner.cli.main import SUBCOMMANDS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,16 +90,7 @@ def show(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.cli_startup", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help=f"{QUICK_RUNS} runs per case instead of {RUNS}")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for cli_startup.json")
-    args = p.parse_args(argv)
-    rows = run(Options(quick=args.quick))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cli_startup.json").write_text(json.dumps(to_jsonable(rows), indent=1))
-    show(rows)
-    print(f"wrote {out / 'cli_startup.json'}")
+    rows = standalone_main("cli_startup", __doc__, run, show, argv)
     return 0 if all(r["meets_target"] for r in rows) else 1
 
 

@@ -75,3 +75,23 @@ def to_jsonable(x):
     if isinstance(x, np.generic):
         return x.item()
     return x
+
+
+def standalone_main(name: str, doc: str, run, show, argv: list[str] | None = None) -> list:
+    """`python -m benchmarks.NAME [--quick] [--out DIR]`: run, write DIR/NAME.json, print the table;
+    returns the rows."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=doc.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="the reduced set")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"), help=f"folder for {name}.json")
+    args = p.parse_args(argv)
+    rows = run(Options(quick=args.quick))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(to_jsonable(rows), indent=1))
+    show(rows)
+    print(f"wrote {out / f'{name}.json'}")
+    return rows

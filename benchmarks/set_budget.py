@@ -13,15 +13,12 @@ python -m benchmarks.set_budget [--quick] [--out DIR]  (or python -m benchmarks 
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from benchmarks.common import Options, print_table, to_jsonable
+from benchmarks.common import Options, print_table, standalone_main
 from planner.errors import InfeasibleBudget
 from planner.runtime.auto import REPLAN_TIME_LIMIT_S, AutoHandle, auto_checkpoint
 from planner.solver.planning import solve
@@ -121,16 +118,7 @@ def show(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.set_budget", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    args = p.parse_args(argv)
-    rows = run(Options(quick=args.quick))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "set_budget.json").write_text(json.dumps(to_jsonable(rows), indent=1))
-    show(rows)
-    print(f"wrote {out / 'set_budget.json'}")
+    standalone_main("set_budget", __doc__, run, show, argv)
     return 0
 
 
