@@ -251,3 +251,11 @@ def test_module_span_unknown_path_is_value_error():
     graph = cached_trace("llama-7b-tiny", 2, 32, "fp32")
     with pytest.raises(ValueError, match="no-such-module"):
         module_span(graph, "no-such-module")
+
+
+def test_a_trace_is_simulated_only_for_the_tensor_parallel_degree_it_was_traced_at(traced):
+    from planner.errors import TraceError
+
+    graph = traced("gpt2-tiny", batch_size=2, seq_len=32)
+    with pytest.raises(TraceError, match="simulate_layout"):
+        simulate(graph, TrainConfig(batch_size=2, seq_len=32, tp=2))

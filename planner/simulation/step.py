@@ -152,6 +152,12 @@ def simulate(
     if choices and not graph.meta.get("natural_lifetimes", True):
         raise TraceError("this trace was made with lifetimes=False; trace again with lifetimes=True to simulate a plan")
     config = config or TrainConfig(batch_size=graph.meta.get("batch_size", 1), seq_len=graph.meta.get("seq_len", 1))
+    traced_tp = graph.meta.get("tp", 1)
+    if config.tp != traced_tp:
+        raise TraceError(
+            f"this trace is one rank of --tp {traced_tp} but the config says --tp {config.tp}; simulate every rank "
+            "of a tensor-parallel layout with planner.api.simulate_layout (memplan simulate --tp N)"
+        )
     device = get_device(config.gpu)
     scale = category_scale(graph, config)
     states = model_states_for(graph, config)
