@@ -142,11 +142,6 @@ class TrainConfig:
                 raise ValueError(
                     f"{what} (--{name}) is not modelled yet; memplan simulates --tp, --pp and --dp/--zero layouts"
                 )
-        if (self.dp * self.cp) % self.ep:
-            raise ValueError(
-                f"--ep {self.ep} must divide --dp × --cp ({self.dp} × {self.cp}): expert parallel borrows "
-                "its ranks from the data- and context-parallel dimensions; raise --dp or lower --ep"
-            )
         if self.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"unknown --pp-schedule '{self.pp_schedule}'; use one of: {', '.join(PP_SCHEDULES)}")
         v = self.num_stages_per_rank
