@@ -10,7 +10,10 @@ run ``tests/test_compat.py`` against it.
 
 from __future__ import annotations
 
+import sys
 from importlib import import_module
+from importlib.util import find_spec, module_from_spec, spec_from_file_location
+from pathlib import Path
 from typing import Any
 
 __all__ = ["TESTED_TORCH", "PRIVATE_APIS"]
@@ -54,11 +57,31 @@ PRIVATE_APIS: dict[str, tuple[str, str | None]] = {
 }
 
 
+# Modules whose package __init__ imports far more than they need: loaded from their file alone.
+# (torch.distributed._tools' __init__ imports its runtime estimator, which imports inductor: a
+# second of start-up for every trace, which needs only the module tracker.)
+_STANDALONE = frozenset(("torch.distributed._tools.mod_tracker",))
+
+
+def _load(module: str) -> Any:
+    if module not in _STANDALONE or module in sys.modules:
+        return import_module(module)
+    package, _, leaf = module.rpartition(".")
+    parent = find_spec(package.rpartition(".")[0]).submodule_search_locations[0]
+    private = f"memplan_compat._{leaf}"
+    if private not in sys.modules:
+        spec = spec_from_file_location(private, Path(parent) / package.rpartition(".")[2] / f"{leaf}.py")
+        loaded = module_from_spec(spec)
+        sys.modules[private] = loaded
+        spec.loader.exec_module(loaded)
+    return sys.modules[private]
+
+
 def __getattr__(name: str) -> Any:
     if name not in PRIVATE_APIS:
         raise AttributeError(f"module 'memplan_compat' has no attribute {name!r}")
     module, attribute = PRIVATE_APIS[name]
-    value = import_module(module) if attribute is None else getattr(import_module(module), attribute)
+    value = _load(module) if attribute is None else getattr(_load(module), attribute)
     globals()[name] = value
     return value
 

@@ -19,15 +19,12 @@ from planner.errors import InfeasibleBudget, MemplanError, PlanFileError
 from planner.plans.format import CompiledPlan, Plan, PlanLadder, StagePlans, load_plan
 from planner.plans.identity import check_plan_matches
 from planner.runtime.apply import apply_plan
-from planner.runtime.compiled import measure_compiled_step
-from planner.runtime.dryrun import dry_run, planned_errors
 from planner.runtime.parallel_verify import measure_on_gloo_ranks
 from planner.runtime.verify import Measurement, measure_step
 from planner.simulation.layout import is_tensor_parallel, layout_timeline, simulate_ranks, trace_roles
 from planner.simulation.pipeline import PipelineTimeline, simulate_pipeline
 from planner.simulation.ranks import LayoutTimeline
 from planner.simulation.step import Timeline, simulate
-from planner.solver.compiled import plan_compiled
 from planner.solver.pipeline_plans import choices_of, evaluate_pipeline, solve_pipeline, stage_plans, uniform_choices
 from planner.solver.planning import compare_strategies, solve
 from planner.tracing.graph import OpGraph
@@ -204,8 +201,12 @@ def verify_model(
     handle = apply_plan(model, plan) if plan is not None else None
     try:
         if compiled:  # the profiler sees the buffers inductor allocates
+            from planner.runtime.compiled import measure_compiled_step  # torch.compile's stack, only here
+
             measured: Measurement = measure_compiled_step(model, inputs, config)
         else:
+            from planner.runtime.dryrun import planned_errors
+
             with planned_errors(plan) if plan is not None else nullcontext():
                 measured = measure_step(model, inputs, config)
     finally:
@@ -266,6 +267,8 @@ def plan_model(
     is a CompiledPlan of per-block activation budgets (no comparison rows)."""
     _refuse_pipeline(config, "plan")
     if config.compile:
+        from planner.solver.compiled import plan_compiled  # torch.compile's stack, only here
+
         plan = plan_compiled(spec, config, budget_bytes, time_limit_s=time_limit_s)
         return plan, [], plan.predicted.baseline_peak_bytes
     roles = trace_roles(spec, config) if is_tensor_parallel(config) else None
@@ -360,6 +363,8 @@ def check_plan_for_spec(spec: str, config: TrainConfig, plan_path: str) -> str:
         if get_precision(p.config["precision"]).param_dtype != torch.float32:
             model.to(get_precision(p.config["precision"]).param_dtype)
         check_plan_matches(p, model)
+        from planner.runtime.dryrun import dry_run
+
         dry_run(resolve_spec(spec), config.with_(seq_len=int(p.config["seq_len"])), p)
         kinds = Counter(d.action if d.op is None else f"{d.action} op" for d in p.decisions)
         lines.append(

@@ -20,7 +20,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,7 +35,6 @@ from planner.plans.decisions import ModulePlan, OpKeys, module_plans
 from planner.plans.format import CompiledPlan, Plan, PlanLadder, StagePlans, load_plan
 from planner.plans.identity import check_plan_matches
 from planner.runtime import cleanup
-from planner.runtime.compiled import CompiledBlocks, compile_blocks
 from planner.runtime.offload import (
     SPILL_PREFIX,
     Spilled,
@@ -46,6 +45,9 @@ from planner.runtime.offload import (
 )
 from planner.tracing.blocks import parse_segment
 from planner.tracing.hf import disable_kv_cache
+
+if TYPE_CHECKING:
+    from planner.runtime.compiled import CompiledBlocks
 
 __all__ = ["ForwardBuffers", "ModulePlan", "PlanHandle", "apply_plan", "returns_tensor", "batch_seq_len"]
 
@@ -484,6 +486,8 @@ def apply_plan(
         plan = stage_plan_for_module(model, plan, stage)
     if isinstance(plan, CompiledPlan):
         check_plan_matches(plan, model)
+        from planner.runtime.compiled import compile_blocks  # torch.compile's stack, only when a compiled plan runs
+
         return compile_blocks(model, plan.budgets, compile_backend)
     if isinstance(plan, PlanLadder):
         plans = {s: p for s, p in plan.buckets}

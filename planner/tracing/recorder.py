@@ -29,6 +29,7 @@ from planner.tracing.blocks import (
     module_signature,
     segment_children,
 )
+from planner.tracing.depth import fold_trace, repeated_run
 from planner.tracing.dispatch import OpRecorder, as_int, local_tensor
 from planner.tracing.fake_build import fake_model
 from planner.tracing.fingerprint import model_fingerprint
@@ -172,13 +173,34 @@ def trace_model(
     name: str = "model",
     lifetimes: bool = True,
     blocks: Sequence[str] = (),
+    fold: bool = True,
 ) -> OpGraph:
     """Trace a model whose parameters and inputs are fake tensors of the active FakeTensorMode.
 
     `lifetimes=False` skips the second forward (natural lifetimes): enough to simulate without a
     plan, not to plan. `blocks` (globs over module paths) names the checkpointable blocks; by
-    default they are found by structure.
+    default they are found by structure. With `fold`, a long run of identical blocks is traced
+    through a shallow copy of the model and extended to full depth, checked (tracing/depth.py).
     """
+
+    def once() -> OpGraph:
+        for p in model.parameters():  # a trace's backward leaves gradients; the next starts without
+            p.grad = None
+        return _trace_once(model, inputs, precision=precision, name=name, lifetimes=lifetimes, blocks=blocks)
+
+    run = repeated_run(model, find_region_paths(model, blocks)) if fold else None
+    graph = fold_trace(model, run, once) if run is not None else None
+    if graph is None:
+        return once()
+    graph.meta.update(
+        fingerprint=model_fingerprint(model), num_modules=sum(1 for _ in model.modules()), folded=run.length
+    )
+    return graph
+
+
+def _trace_once(
+    model: nn.Module, inputs: tuple | dict, *, precision: str, name: str, lifetimes: bool, blocks: Sequence[str]
+) -> OpGraph:
     params = [p for p in model.parameters()]
     param_dtype = str(params[0].dtype).replace("torch.", "") if params else "float32"
 
