@@ -92,22 +92,23 @@ def transfer_time_s(nbytes: int, device: DeviceSpec, target: str) -> float:
 COLLECTIVE_EFFICIENCY = 0.8  # achieved fraction of the link's bus bandwidth (NCCL all-gather/reduce-scatter)
 
 
-def collective_link_bytes_per_s(world_size: int, device: DeviceSpec) -> float:
-    """Per-GPU bandwidth a ring collective over `world_size` GPUs sees: the in-node interconnect while
-    the group fits in one node, else the slower of it and the network (the ring crosses nodes)."""
-    if world_size <= device.gpus_per_node:
+def collective_link_bytes_per_s(world_size: int, device: DeviceSpec, stride: int = 1) -> float:
+    """Per-GPU bandwidth a ring collective over `world_size` GPUs `stride` ranks apart sees (a data
+    parallel group over tensor-parallel ranks is strided by tp): the in-node interconnect while the
+    group spans one node, else the slower of it and the network (the ring crosses nodes)."""
+    if world_size * stride <= device.gpus_per_node:
         return device.interconnect_bytes_per_s
     return min(device.interconnect_bytes_per_s, device.network_bytes_per_s)
 
 
-def collective_time_s(unsharded_bytes: int, world_size: int, device: DeviceSpec) -> float:
+def collective_time_s(unsharded_bytes: int, world_size: int, device: DeviceSpec, stride: int = 1) -> float:
     """Seconds of a ring all-gather or reduce-scatter of a tensor of `unsharded_bytes` over
-    `world_size` ranks: each rank sends and receives (n - 1) / n of it (Patarasuk & Yuan's ring
-    bound, as in NCCL's bus-bandwidth convention). Latency terms are left out: they matter only for
-    small messages."""
+    `world_size` ranks `stride` apart: each rank sends and receives (n - 1) / n of it (Patarasuk &
+    Yuan's ring bound, as in NCCL's bus-bandwidth convention). Latency terms are left out: they
+    matter only for small messages."""
     if unsharded_bytes < 0 or world_size < 1:
         raise ValueError("unsharded_bytes must be >= 0 and world_size >= 1")
     if world_size == 1:
         return 0.0
     moved = unsharded_bytes * (world_size - 1) / world_size
-    return moved / (COLLECTIVE_EFFICIENCY * collective_link_bytes_per_s(world_size, device))
+    return moved / (COLLECTIVE_EFFICIENCY * collective_link_bytes_per_s(world_size, device, stride))

@@ -8,10 +8,11 @@ import pytest
 from models_for_tests import PATH
 
 from costmodels.hardware import get_device
-from planner.analysis.configurations import cheapest_configuration, host_offload_s
+from planner.analysis.configurations import cheapest_configuration
 from planner.api import trace_for
 from planner.config import TrainConfig
 from planner.simulation.step import simulate
+from planner.simulation.step_time import host_offload_s
 
 CONFIG = TrainConfig(batch_size=2, seq_len=256, gpu="a100-40gb")
 SPEC = f"{PATH}:llama_small"

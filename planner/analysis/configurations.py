@@ -5,11 +5,7 @@ Every configuration is simulated: memory per GPU from the step simulator, time f
 times plus what data parallelism and offload add. One trace serves every GPU count (a ZeRO-3 trace
 does not depend on dp); micro-batches need a trace each, so only a few are tried.
 
-Host offload (FSDP2's ``CPUOffloadPolicy``) keeps the sharded parameters, gradients and optimizer
-states in host memory: each all-gather first copies the parameter shard to the GPU, each
-reduce-scatter's gradient shard is copied back, and the optimizer step runs on the host at
-``HOST_MEMORY_BYTES_PER_S`` per rank (a server's DRAM bandwidth shared by its GPUs). Those copies
-and the host step are counted as exposed time: FSDP2 runs them on the default stream.
+Host offload (FSDP2's ``CPUOffloadPolicy``) is priced as planner.simulation.step_time describes.
 """
 
 from __future__ import annotations
@@ -18,20 +14,16 @@ import itertools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from costmodels.hardware import get_device
-from costmodels.memory import ModelStates
-from costmodels.runtime import transfer_time_s
 from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget, SolverTimeout
-from planner.simulation.costs import model_states_for
 from planner.simulation.step import Timeline, simulate
+from planner.simulation.step_time import host_offload_s, host_states
 from planner.solver.baselines import strategy_choices
 from planner.solver.planning import solve
 from planner.tracing.graph import OpGraph
 
-__all__ = ["HOST_MEMORY_BYTES_PER_S", "Configuration", "ConfigurationReport", "cheapest_configuration"]
+__all__ = ["Configuration", "ConfigurationReport", "cheapest_configuration"]
 
-HOST_MEMORY_BYTES_PER_S = 50e9  # host DRAM bandwidth per GPU (about 400 GB/s shared by 8 GPUs)
 GROWTH_STEPS = 1  # powers of two tried above the smallest GPU count that fits
 
 
@@ -83,20 +75,6 @@ class ConfigurationReport:
             "budget_bytes": self.budget_bytes,
             "config": dict(self.config),
         }
-
-
-def host_offload_s(graph: OpGraph, config: TrainConfig) -> float:
-    """Seconds host offload adds to a step: parameter shards up for both all-gathers, gradient shards
-    down, and the optimizer step over the host's copies (see the module docstring)."""
-    states = host_states(graph, config)
-    copies = 2 * states.parameter + states.gradient
-    host_step = 2 * (states.parameter + states.gradient + states.optimizer) / HOST_MEMORY_BYTES_PER_S
-    return transfer_time_s(copies, get_device(config.gpu), "cpu") + host_step
-
-
-def host_states(graph: OpGraph, config: TrainConfig) -> ModelStates:
-    """The sharded model states one rank keeps in host memory under host offload."""
-    return model_states_for(graph, config.with_(cpu_offload=False))
 
 
 def _sharded(config: TrainConfig, gpus: int, optimizer: str, cpu_offload: bool) -> TrainConfig:

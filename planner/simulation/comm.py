@@ -117,6 +117,7 @@ def fsdp_communication(
     device: DeviceSpec,
     reduce_bytes_per_gathered_byte: float = 1.0,
     reshard_after_forward: bool = True,
+    stride: int = 1,
 ) -> CommSchedule:
     """The FSDP2 schedule of a traced step whose blocks are the FSDP units and the rest is the root.
 
@@ -132,8 +133,8 @@ def fsdp_communication(
     root_bytes = max(0, param_bytes - sum(r.param_bytes for r in regions))
 
     def unit(forward_s: float, backward_s: float, gathered_bytes: int) -> BlockTimes:
-        gather = collective_time_s(gathered_bytes, dp, device)
-        reduce = collective_time_s(int(gathered_bytes * reduce_bytes_per_gathered_byte), dp, device)
+        gather = collective_time_s(gathered_bytes, dp, device, stride)
+        reduce = collective_time_s(int(gathered_bytes * reduce_bytes_per_gathered_byte), dp, device, stride)
         return BlockTimes(forward_s, backward_s, gather, reduce)
 
     blocks = [
@@ -181,9 +182,11 @@ def step_communication(graph: OpGraph, times: np.ndarray, config: TrainConfig, d
             device=device,
             reduce_bytes_per_gathered_byte=reduce_itemsize / gathered_itemsize,
             reshard_after_forward=config.reshard_after_forward is not False,
+            stride=config.cp * config.tp,
         )
     grad_bytes = sum(t.nbytes for t in graph.tensors.values() if t.category == "gradient")
-    comm = 2 * collective_time_s(grad_bytes, dp, device)
-    last_bucket = 2 * collective_time_s(min(grad_bytes, DDP_BUCKET_BYTES), dp, device)
+    stride = config.cp * config.tp
+    comm = 2 * collective_time_s(grad_bytes, dp, device, stride)
+    last_bucket = 2 * collective_time_s(min(grad_bytes, DDP_BUCKET_BYTES), dp, device, stride)
     backward_s = float(times[graph.backward_start :].sum())
     return CommSchedule(float(times.sum()), comm, max(comm - backward_s, last_bucket))

@@ -10,12 +10,20 @@ import torch
 
 from costmodels.hardware import DeviceSpec, get_device
 from costmodels.memory import ModelStates, get_precision, model_state_bytes
-from costmodels.runtime import op_time_s
+from costmodels.runtime import collective_time_s, op_time_s
 from planner.config import TrainConfig
-from planner.tracing.graph import OpGraph
-from planner.tracing.op_classes import ATTENTION_BACKWARD_OPS, ATTENTION_OPS
+from planner.tracing.graph import OpGraph, OpNode
+from planner.tracing.op_classes import ATTENTION_BACKWARD_OPS, ATTENTION_OPS, COLLECTIVE_OPS
 
-__all__ = ["StepCosts", "category_scale", "model_states_for", "op_times", "storage_bytes"]
+__all__ = [
+    "StepCosts",
+    "category_scale",
+    "collective_s",
+    "optimizer_step_s",
+    "model_states_for",
+    "op_times",
+    "storage_bytes",
+]
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
@@ -41,11 +49,32 @@ class StepCosts:
         return {**asdict(self), "overhead": self.overhead}
 
 
+def collective_s(op: OpNode, graph: OpGraph, device: DeviceSpec) -> float:
+    """Seconds of a functional collective over the trace's tensor-parallel group (in one node)."""
+    side, passes = COLLECTIVE_OPS[op.name]
+    tensors = op.outputs if side == "output" else op.inputs
+    nbytes = sum(graph.tensors[t].nbytes for t in tensors[:1])
+    return passes * collective_time_s(nbytes, int(graph.meta.get("tp", 1)), device)
+
+
 def op_times(graph: OpGraph, device: DeviceSpec) -> np.ndarray:
     """Roofline seconds of each op on the target device (views and no-ops cost nothing; an op that
-    writes in place costs its bytes)."""
+    writes in place costs its bytes; a collective costs its ring passes on the link, see
+    :func:`collective_s`). Computed once per graph and device (read-only)."""
+    key = ("op_times", device)
+    if key not in graph.derived:
+        out = _op_times(graph, device)
+        out.flags.writeable = False
+        graph.derived[key] = out
+    return graph.derived[key]
+
+
+def _op_times(graph: OpGraph, device: DeviceSpec) -> np.ndarray:
     out = np.zeros(len(graph.ops))
     for op in graph.ops:
+        if op.name in COLLECTIVE_OPS:
+            out[op.index] = collective_s(op, graph, device)
+            continue
         if op.flops == 0 and not op.allocs and not op.mutates:
             continue
         written = op.allocs or op.mutates
@@ -93,3 +122,8 @@ def model_states_for(graph: OpGraph, config: TrainConfig) -> ModelStates:
     if config.cpu_offload:  # FSDP2 CPUOffloadPolicy: sharded states and the optimizer step live on the host
         return replace(states, parameter=0, gradient=0, optimizer=0, optimizer_step_temporary=0)
     return states
+
+
+def optimizer_step_s(model_state_bytes: int, device: DeviceSpec) -> float:
+    """Seconds of the optimizer step on the device: it reads and writes every model-state byte it holds."""
+    return 2 * model_state_bytes / device.hbm_bytes_per_s

@@ -162,13 +162,16 @@ def recompute_ops(graph: OpGraph, span: ModuleSpan, keep_ops: frozenset[int], dr
 
 def recompute_stop(graph: OpGraph, span: ModuleSpan) -> int:
     """The first forward op of a span that a recompute does not reach (its last save's position)."""
-    prefix = span.path + "."
-    saves = [
-        n
-        for n, module in graph.pack_events
-        if span.fwd_start <= n <= span.fwd_end and (module == span.path or module.startswith(prefix))
-    ]
-    return max(saves) if saves else span.fwd_end
+    key = ("recompute_stop", span.path, span.fwd_start, span.fwd_end)
+    if key not in graph.derived:
+        prefix = span.path + "."
+        saves = [
+            n
+            for n, module in graph.pack_events
+            if span.fwd_start <= n <= span.fwd_end and (module == span.path or module.startswith(prefix))
+        ]
+        graph.derived[key] = max(saves) if saves else span.fwd_end
+    return graph.derived[key]
 
 
 def held_inputs(graph: OpGraph, span: ModuleSpan) -> list[int]:

@@ -128,9 +128,14 @@ def _auto_split(graph: OpGraph, config: TrainConfig, schedule: PipelineSchedule,
 
 
 def _check(graph: OpGraph, config: TrainConfig) -> None:
-    if config.tp > 1 or config.cp > 1 or config.ep > 1:
+    if config.cp > 1 or config.ep > 1:
         raise MemplanError(
-            "pipeline parallel composes with --dp and --zero for now; use --tp, --cp and --ep 1 with --pp"
+            "pipeline parallel composes with --tp, --dp and --zero for now; use --cp and --ep 1 with --pp"
+        )
+    if graph.meta.get("tp", 1) != config.tp:
+        raise MemplanError(
+            f"the graph was traced at tensor-parallel degree {graph.meta.get('tp', 1)}, the config asks --tp {config.tp}; "
+            "trace one tensor-parallel rank (planner.tracing.parallel.rank_trace.trace_tp_rank)"
         )
     if not graph.regions:
         raise MemplanError(

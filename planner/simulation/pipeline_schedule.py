@@ -50,6 +50,7 @@ class PipelineSchedule:
     # per rank: (stage, "F" output or "B" input gradient, microbatch) -> index in compute(rank) of
     # the action after which the schedule drops that send's request; absent: held to the step's end
     send_release: tuple[dict[tuple[int, str, int], int], ...] = field(default=(), compare=False)
+    _compute: dict[int, tuple[PipelineAction, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     def released_after(self, rank: int, stage: int, kind: str, microbatch: int) -> int:
         """Index in compute(rank) after which a send's request is dropped (the last: the step's end)."""
@@ -61,8 +62,10 @@ class PipelineSchedule:
         return tuple(sorted({a.stage for a in self.actions[rank] if a.kind in COMPUTE_KINDS}))
 
     def compute(self, rank: int) -> tuple[PipelineAction, ...]:
-        """Rank `rank`'s forward and backward actions only."""
-        return tuple(a for a in self.actions[rank] if a.kind in COMPUTE_KINDS)
+        """Rank `rank`'s forward and backward actions only (computed once per rank)."""
+        if rank not in self._compute:
+            self._compute[rank] = tuple(a for a in self.actions[rank] if a.kind in COMPUTE_KINDS)
+        return self._compute[rank]
 
     def to_dict(self) -> dict:
         return {

@@ -102,7 +102,13 @@ def op_stages(graph: OpGraph, cuts: tuple[StageCut, ...]) -> tuple[np.ndarray, n
 
 def weight_gradient_ops(graph: OpGraph) -> frozenset[int]:
     """Backward ops that only serve weight gradients (what a split backward's W runs): those that
-    make a parameter's gradient, and those whose outputs only such ops read."""
+    make a parameter's gradient, and those whose outputs only such ops read (computed once per graph)."""
+    if "weight_gradient_ops" not in graph.derived:
+        graph.derived["weight_gradient_ops"] = _weight_gradient_ops(graph)
+    return graph.derived["weight_gradient_ops"]
+
+
+def _weight_gradient_ops(graph: OpGraph) -> frozenset[int]:
     readers: dict[int, list[int]] = {}
     for op in graph.ops[graph.backward_start :]:
         for tid in op.inputs:

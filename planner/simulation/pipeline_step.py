@@ -451,13 +451,32 @@ def _place_effect(graph: OpGraph, cut: StageCut, e: StageEffect, p: dict[str, _P
             backward_event(e.stage, TAIL, tid, -left)
 
 
+def _phase_names(graph: OpGraph) -> np.ndarray:
+    """Phase of each sample position: index 0 the step's start, i + 1 op i, the last the optimizer."""
+    if "phase_names" not in graph.derived:
+        names = ["start", *(op.phase for op in graph.ops), "optimizer"]
+        graph.derived["phase_names"] = np.array(names, dtype=object)
+    return graph.derived["phase_names"]
+
+
 def fsdp_extras(graph: OpGraph, config: TrainConfig) -> np.ndarray:
-    """(ops, categories) FSDP2 buffers at each op (zeros without ZeRO-3 on dp > 1)."""
+    """(ops, categories) FSDP2 buffers at each op (zeros without ZeRO-3 on dp > 1); computed once
+    per graph and sharding (read-only)."""
+    key = (
+        "fsdp_extras",
+        config.with_(
+            pp=1, pp_schedule="1f1b", pp_split="uniform", microbatches=None, stages_per_rank=None, batch_size=1
+        ),
+    )
+    if key in graph.derived:
+        return graph.derived[key]
     out = np.zeros((len(graph.ops), _NC), dtype=np.int64)
     if config.zero_stage >= 3 and config.dp > 1:
         for op, extra in fsdp_buffers(graph, config, category_scale(graph, config)["gradient"]).items():
             for cat, nbytes in extra.items():
                 out[op, _CAT[cat]] += nbytes
+    out.flags.writeable = False
+    graph.derived[key] = out
     return out
 
 
@@ -537,9 +556,7 @@ def replay_rank(
     k = int(np.argmax(total))
     at = int(ops_idx[k])
     op = graph.ops[at] if 0 <= at < len(graph.ops) else None
-    phases = tuple(
-        "optimizer" if i >= len(graph.ops) else "start" if i < 0 else graph.ops[i].phase for i in ops_idx.tolist()
-    )
+    phases = tuple(_phase_names(graph)[np.clip(ops_idx + 1, 0, len(graph.ops) + 1)].tolist())
     states = model_state_bytes(
         [sh for s in own for sh in s.param_shapes],
         get_precision(config.precision),

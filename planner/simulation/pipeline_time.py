@@ -26,6 +26,8 @@ class PipelineTime:
     step_s: float
     busy_s: tuple[float, ...]
     stage_times_s: dict[str, tuple[float, ...]]  # "F", "B", "I", "W" -> seconds per stage
+    first_start_s: tuple[float, ...] = ()  # per rank: when its first action starts
+    last_end_s: tuple[float, ...] = ()  # per rank: when its last action ends
 
     @property
     def bubble(self) -> tuple[float, ...]:
@@ -69,6 +71,7 @@ def pipeline_time(schedule: PipelineSchedule, per_stage: dict[str, tuple[float, 
     pos = [0] * schedule.pp
     free_at = [0.0] * schedule.pp
     busy = [0.0] * schedule.pp
+    first = [None] * schedule.pp
     done: dict[tuple[int, str, int], float] = {}
     remaining = sum(len(q) for q in queues)
     while remaining:
@@ -91,6 +94,7 @@ def pipeline_time(schedule: PipelineSchedule, per_stage: dict[str, tuple[float, 
                 if deps and not ready:
                     break
                 start = max([free_at[r], *ready])
+                first[r] = start if first[r] is None else first[r]
                 seconds = per_stage[a.kind][a.stage]
                 free_at[r] = start + seconds
                 busy[r] += seconds
@@ -100,4 +104,10 @@ def pipeline_time(schedule: PipelineSchedule, per_stage: dict[str, tuple[float, 
                 progressed = True
         if not progressed:
             raise MemplanError(f"the {schedule.name} schedule's actions wait on each other; cannot time it")
-    return PipelineTime(step_s=max(free_at), busy_s=tuple(busy), stage_times_s=per_stage)
+    return PipelineTime(
+        step_s=max(free_at),
+        busy_s=tuple(busy),
+        stage_times_s=per_stage,
+        first_start_s=tuple(0.0 if f is None else f for f in first),
+        last_end_s=tuple(free_at),
+    )

@@ -28,6 +28,7 @@ from planner.simulation.costs import (
     category_scale,
     model_states_for,
     op_times,
+    optimizer_step_s,
     storage_bytes,
 )
 from planner.simulation.effects import (
@@ -191,7 +192,7 @@ def simulate(
     transfers = [e.transfer for e in effects if e.transfer is not None]
     exposed = exposed_transfer_s(transfers, times, graph.backward_start, device)
     recompute_s = sum(e.recompute_s for e in effects)
-    optimizer_s = 2 * (states.parameter + states.gradient + states.optimizer) / device.hbm_bytes_per_s
+    optimizer_s = optimizer_step_s(states.total, device)
     comm = step_communication(graph, times, config, device)
     micro_batch_s = float(times.sum()) + recompute_s + exposed + comm.exposed_communication_s
     costs = StepCosts(

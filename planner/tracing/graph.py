@@ -100,6 +100,8 @@ class OpGraph:
     _by_module: dict[str, list[int]] | None = field(default=None, repr=False, compare=False)
     _first_bwd_use: dict[int, int] | None = field(default=None, repr=False, compare=False)
     _uncacheable: frozenset[int] | None = field(default=None, repr=False, compare=False)
+    # what later layers derive from the graph alone and reuse (op times per device, FSDP2's buffers per sharding)
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_parameters(self) -> int:

@@ -14,6 +14,7 @@ import torch
 from memplan_compat import OpOverload
 
 __all__ = [
+    "COLLECTIVE_OPS",
     "ATTENTION_BACKWARD_OPS",
     "ATTENTION_CORE_OPS",
     "ATTENTION_OPS",
@@ -98,3 +99,15 @@ EXTERN_KERNEL_OPS = HEAVY_OPS | ATTENTION_BACKWARD_OPS | op_names({aten.convolut
 # save matmul, attention and convolution outputs (and torchtitan's reduce-scatter and amax), recompute
 # the rest.
 OP_SAC_SAVE_OPS = HEAVY_OPS | op_names({aten.max.default, torch.ops._c10d_functional.reduce_scatter_tensor.default})
+
+
+_c10d = torch.ops._c10d_functional
+# Functional collectives a traced rank runs (tensor parallel's DTensor redistributions), by how many
+# ring passes over which tensor they cost: the unsharded tensor is the output of an all-gather, the
+# input of a reduce-scatter, an all-reduce or an all-to-all.
+COLLECTIVE_OPS: dict[str, tuple[str, int]] = {
+    str(_c10d.all_gather_into_tensor.default): ("output", 1),
+    str(_c10d.reduce_scatter_tensor.default): ("input", 1),
+    str(_c10d.all_reduce.default): ("input", 2),
+    str(_c10d.all_to_all_single.default): ("input", 1),
+}

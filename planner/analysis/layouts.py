@@ -1,0 +1,589 @@
+"""The whole layout of a training job: GPU count, tensor parallel, pipeline stages and schedule,
+FSDP2 over the rest, optimizer-state precision, host offload and recompute, searched with exact
+per-rank memory and a step time that knows where ranks wait.
+
+Every layout keeps the job's global batch (sequences per optimizer step) and micro-batch size:
+``dp`` replicas each run ``global_batch / (dp · micro_batch)`` microbatches, through the pipeline
+when ``pp > 1``, as gradient-accumulation steps otherwise. One tensor-parallel rank is traced per
+degree (the first rank; a long stack of blocks traces through a shallow copy, tracing/depth.py),
+whatever the GPU count; every layout is a simulation of that graph: planner.simulation.step with
+FSDP2 over ``dp`` for ``pp = 1``, planner.simulation.pipeline with the schedule's own action list
+otherwise, timed by planner.simulation.step_time. Recompute is none, selective (the attention core,
+Megatron-style) or full per block, the first that fits; the recommended layout then gets the
+solver's plan where it recomputes.
+
+GPU counts are powers of two from 1. A layout is pruned before it is simulated when its model
+states alone cannot fit (parameters, gradients and optimizer states spread over tp · pp · dp), and
+the search stops `GROWTH` doublings past the first count on which any layout fits.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from costmodels.hardware import DeviceSpec, get_device
+from costmodels.memory import get_precision
+from costmodels.runtime import peak_flops_per_s
+from planner.config import TrainConfig
+from planner.errors import InfeasibleBudget, MemplanError, SolverTimeout, TraceError
+from planner.simulation.costs import model_states_for
+from planner.simulation.pipeline import simulate_pipeline
+from planner.simulation.step import simulate
+from planner.simulation.step_time import StepTime, data_parallel_step_time, host_states, pipeline_step_time
+from planner.solver.baselines import strategy_choices
+from planner.solver.pipeline_plans import solve_pipeline
+from planner.solver.planning import solve
+from planner.tracing.graph import OpGraph
+from planner.tracing.parallel.rank_trace import trace_tp_rank
+from planner.tracing.recorder import trace_for
+from planner.units import format_bytes
+
+__all__ = [
+    "DEFAULT_GLOBAL_BATCH_TOKENS",
+    "HOST_MEMORY_BYTES_PER_GPU",
+    "Layout",
+    "LayoutSearch",
+    "default_global_batch",
+    "launch_recipe",
+    "search_layouts",
+]
+
+DEFAULT_GLOBAL_BATCH_TOKENS = 4 * 2**20  # about 4M tokens per optimizer step, as Llama 2 and 3 pretrain
+HOST_MEMORY_BYTES_PER_GPU = 256 * 2**30  # a DGX H100/H200's 2 TiB of host memory shared by 8 GPUs
+TENSOR_PARALLEL = (1, 2, 4, 8, 16)  # degrees tried, up to the GPUs of one node
+SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2))  # (schedule, stages per rank) tried for pp > 1
+RECOMPUTE = ("none", "selective", "full")  # tried in this order; the first that fits is kept
+GROWTH = 2  # doublings of the GPU count searched past the first that fits
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the job, its worst rank's peak and its step time."""
+
+    gpus: int
+    tp: int
+    pp: int
+    dp: int
+    schedule: str | None
+    microbatches: int  # pipeline microbatches per schedule step (1 without a pipeline)
+    accumulation: int  # schedule steps (or forward-backward micro-steps) per optimizer step
+    stages_per_rank: int
+    micro_batch_size: int
+    global_batch: int
+    seq_len: int
+    optimizer: str
+    offload: bool
+    recompute: str  # none | selective | full | plan
+    fits: bool
+    peak_bytes: int
+    budget_bytes: int
+    host_bytes: int  # model states each GPU's rank keeps in host memory (offload)
+    time: StepTime
+    tokens_per_s_per_gpu: float
+    mfu: float
+    cp: int = 1
+    ep: int = 1
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.budget_bytes - self.peak_bytes
+
+    @property
+    def label(self) -> str:
+        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
+        if self.pp > 1:
+            parts.append(f"{self.schedule} x{self.microbatches}")
+        if self.accumulation > 1:
+            parts.append(f"accum {self.accumulation}")
+        return " ".join(parts)
+
+    def flags(self) -> str:
+        """memplan's flags for this layout (simulate, plan and verify take them)."""
+        out = [f"--batch-size {self.micro_batch_size * (self.microbatches if self.pp > 1 else 1)}"]
+        if self.tp > 1:
+            out.append(f"--tp {self.tp}")
+        if self.pp > 1:
+            out += [f"--pp {self.pp}", f"--pp-schedule {self.schedule}", f"--microbatches {self.microbatches}"]
+            if self.stages_per_rank > 1:
+                out.append(f"--stages-per-rank {self.stages_per_rank}")
+        if self.accumulation > 1:
+            out.append(f"--grad-accum {self.accumulation}")
+        if self.dp > 1 or self.offload:
+            out.append(f"--dp {self.dp} --zero 3")
+        if self.offload:
+            out.append("--cpu-offload")
+        if self.optimizer != "adamw":
+            out.append(f"--optimizer {self.optimizer}")
+        return " ".join(out)
+
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k != "time"}
+        out.update(
+            step_time_s=self.time.step_s,
+            time=self.time.to_dict(),
+            headroom_bytes=self.headroom_bytes,
+            label=self.label,
+            flags=self.flags(),
+        )
+        return out
+
+
+@dataclass(frozen=True)
+class LayoutSearch:
+    """Every layout simulated, the Pareto front of those that fit, and the recommended one."""
+
+    layouts: tuple[Layout, ...]
+    pareto: tuple[Layout, ...]
+    recommended: Layout | None
+    why_none: str | None  # what binds when no layout fits
+    skipped: dict[int, str]  # tensor-parallel degree -> why it cannot run this model
+    search_s: float
+    config: dict
+    recipe: dict | None = None
+    recommended_plan: dict | None = field(default=None)
+
+    def to_dict(self) -> dict:
+        return {
+            "layouts": [x.to_dict() for x in self.layouts],
+            "pareto": [x.to_dict() for x in self.pareto],
+            "recommended": None if self.recommended is None else self.recommended.to_dict(),
+            "recipe": self.recipe,
+            "recommended_plan": self.recommended_plan,
+            "why_none": self.why_none,
+            "skipped_tp": {str(k): v for k, v in self.skipped.items()},
+            "search_s": self.search_s,
+            "config": dict(self.config),
+        }
+
+
+def default_global_batch(config: TrainConfig) -> int:
+    """About DEFAULT_GLOBAL_BATCH_TOKENS tokens in whole micro-batches (a power of two of them)."""
+    micro = max(1, DEFAULT_GLOBAL_BATCH_TOKENS // (config.seq_len * config.batch_size))
+    return config.batch_size * (1 << (micro.bit_length() - 1))
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << k for k in range(limit.bit_length()) if 1 << k <= limit]
+
+
+class _Search:
+    """Traces per tensor-parallel degree, and the simulation of one layout from them."""
+
+    def __init__(self, spec: str, config: TrainConfig, budget: int, device: DeviceSpec, global_batch: int) -> None:
+        self.spec, self.base, self.budget, self.device, self.global_batch = spec, config, budget, device, global_batch
+        self.graphs: dict[int, OpGraph] = {}
+        self.skipped: dict[int, str] = {}
+        dtype = get_precision(config.precision).autocast_dtype or get_precision(config.precision).param_dtype
+        self.peak_flops = peak_flops_per_s(dtype, device)
+        self.flops_per_sequence = 0.0
+        self.lightest_states: tuple[int, str] | None = None  # the lightest pruned layout's states per GPU
+
+    def pruned(self, graph: OpGraph, gpus: int, tp: int, pp: int, dp: int, optimizer: str) -> bool:
+        """Whether the model states alone of this layout exceed the budget (recorded for what binds)."""
+        states = self.states_lower_bound(graph, pp, dp, optimizer)
+        if states <= self.budget:
+            return False
+        label = f"{gpus} GPUs as tp{tp} pp{pp} dp{dp}, {optimizer}"
+        if self.lightest_states is None or states < self.lightest_states[0]:
+            self.lightest_states = (states, label)
+        return True
+
+    def graph(self, tp: int) -> OpGraph | None:
+        if tp in self.graphs or tp in self.skipped:
+            return self.graphs.get(tp)
+        traced = self.base.with_(tp=tp, dp=1, zero_stage=3)
+        try:
+            graph = trace_tp_rank(self.spec, traced, rank=0)[0] if tp > 1 else trace_for(self.spec, traced)
+        except (TraceError, MemplanError, ValueError, RuntimeError) as exc:
+            self.skipped[tp] = " ".join(str(exc).split())[:200]
+            return None
+        self.graphs[tp] = graph
+        if tp == 1:
+            self.flops_per_sequence = sum(op.flops for op in graph.ops) / self.base.batch_size
+        return graph
+
+    def states_lower_bound(self, graph: OpGraph, pp: int, dp: int, optimizer: str) -> int:
+        """Model-state bytes of the lightest rank: the traced rank's states over pp stages and dp shards."""
+        states = model_states_for(graph, self.base.with_(zero_stage=3, dp=dp, optimizer=optimizer))
+        return states.total // pp
+
+    def config_for(
+        self,
+        tp: int,
+        pp: int,
+        dp: int,
+        schedule: str | None,
+        v: int,
+        microbatches: int,
+        accumulation: int,
+        optimizer: str,
+        offload: bool,
+    ) -> TrainConfig:
+        c = self.base.with_(tp=tp, dp=dp, zero_stage=3, optimizer=optimizer, cpu_offload=offload)
+        if pp == 1:
+            return c.with_(grad_accum_steps=accumulation)
+        return c.with_(
+            pp=pp,
+            pp_schedule=schedule,
+            microbatches=microbatches,
+            stages_per_rank=v,
+            batch_size=self.base.batch_size * microbatches,
+            reshard_after_forward=False,  # torchtitan keeps a stage gathered across its microbatches
+        )
+
+    def evaluate(
+        self,
+        gpus: int,
+        tp: int,
+        pp: int,
+        schedule: str | None,
+        v: int,
+        microbatches: int,
+        optimizer: str,
+        offload: bool,
+        recompute: str,
+    ) -> Layout | None:
+        """One layout simulated: FSDP2 over dp, `microbatches` per pipeline step (1 without pp), as
+        many steps as the global batch needs per optimizer step."""
+        graph = self.graphs[tp]
+        dp = gpus // (tp * pp)
+        accumulation = self.global_batch // (dp * self.base.batch_size * microbatches)
+        config = self.config_for(tp, pp, dp, schedule, v, microbatches, accumulation, optimizer, offload)
+        choices = () if recompute == "none" else strategy_choices(graph, recompute)
+        if recompute != "none" and not choices:
+            return None  # the model has no blocks to recompute
+        try:
+            if pp == 1:
+                timeline = simulate(graph, config, choices=choices)
+                peak = timeline.peak_bytes
+                step = data_parallel_step_time(graph, config, timeline, self.device)
+            else:
+                pipeline = simulate_pipeline(graph, config, choices)
+                peak = pipeline.peak_bytes
+                step = repeated(pipeline_step_time(graph, config, pipeline, self.device, choices), accumulation)
+        except (MemplanError, ValueError):  # a schedule torch refuses for this shape
+            return None
+        return self.layout(
+            gpus, tp, pp, schedule, v, microbatches, accumulation, optimizer, offload, recompute, peak, step
+        )
+
+    def layout(
+        self, gpus, tp, pp, schedule, v, microbatches, accumulation, optimizer, offload, recompute, peak, step
+    ) -> Layout:
+        host = 0
+        if offload:
+            config = self.config_for(tp, 1, gpus // tp, None, 1, 1, accumulation, optimizer, offload)
+            s = host_states(self.graphs[tp], config)
+            host = s.parameter + s.gradient + s.optimizer
+        tokens = self.global_batch * self.base.seq_len
+        flops = self.flops_per_sequence * self.global_batch
+        return Layout(
+            gpus=gpus,
+            tp=tp,
+            pp=pp,
+            dp=gpus // (tp * pp),
+            schedule=schedule,
+            microbatches=microbatches,
+            accumulation=accumulation,
+            stages_per_rank=v,
+            micro_batch_size=self.base.batch_size,
+            global_batch=self.global_batch,
+            seq_len=self.base.seq_len,
+            optimizer=optimizer,
+            offload=offload,
+            recompute=recompute,
+            fits=peak <= self.budget and host <= HOST_MEMORY_BYTES_PER_GPU,
+            peak_bytes=peak,
+            budget_bytes=self.budget,
+            host_bytes=host,
+            time=step,
+            tokens_per_s_per_gpu=tokens / (step.step_s * gpus) if step.step_s > 0 else 0.0,
+            mfu=flops / (step.step_s * gpus * self.peak_flops) if step.step_s > 0 else 0.0,
+        )
+
+
+def repeated(step: StepTime, times: int) -> StepTime:
+    """`times` pipeline steps before one optimizer step: everything but the optimizer repeats."""
+    return StepTime(
+        step_s=times * (step.step_s - step.optimizer_s) + step.optimizer_s,
+        compute_s=times * step.compute_s,
+        exposed_communication_s=times * step.exposed_communication_s,
+        bubble_s=times * step.bubble_s,
+        recompute_s=times * step.recompute_s,
+        optimizer_s=step.optimizer_s,
+        offload_s=times * step.offload_s,
+    )
+
+
+def _shapes(
+    search: _Search, gpus: int, gpus_per_node: int, fixed: TrainConfig
+) -> list[tuple[int, int, str | None, int]]:
+    """(tp, pp, schedule, stages per rank) that tile `gpus` and split the global batch evenly."""
+    out = []
+    b, batch = search.base.batch_size, search.global_batch
+    for tp in TENSOR_PARALLEL:
+        if tp > min(gpus, gpus_per_node) or gpus % tp or (fixed.tp > 1 and tp != fixed.tp):
+            continue
+        graph = search.graph(tp)
+        if graph is None:
+            continue
+        blocks = len(graph.regions)
+        for pp in _powers_of_two(gpus // tp):
+            if fixed.pp > 1 and pp != fixed.pp:
+                continue
+            dp = gpus // (tp * pp)
+            if batch % (dp * b):
+                continue
+            m = batch // (dp * b)
+            if pp == 1:
+                out.append((tp, 1, None, 1))
+                continue
+            for schedule, v in SCHEDULES:
+                if blocks >= 2 * pp * v and m % (pp * v) == 0:  # at least two blocks a stage, whole rounds
+                    out.append((tp, pp, schedule, v))
+    return out
+
+
+MICROBATCH_ROUNDS = (4, 2, 1)  # microbatches per pipeline step tried, in rounds of pp · stages_per_rank
+
+
+def _shape_layouts(
+    search: _Search, gpus: int, tp: int, pp: int, schedule: str | None, v: int, config: TrainConfig
+) -> list[Layout]:
+    """The layouts simulated for one shape: for each optimizer/offload variant (cheapest first, until
+    one fits), the lightest candidate first (full recompute, fewest microbatches), and when it fits,
+    for each recompute level (least first) the most microbatches per pipeline step that fit, until
+    a level fits with the most. Peaks only grow with less recompute and more microbatches, and time
+    with more recompute and fewer microbatches, so nothing left out could be faster and fit."""
+    graph = search.graphs[tp]
+    dp = gpus // (tp * pp)
+    replica = search.global_batch // (dp * search.base.batch_size)  # micro-batches per replica and step
+    rounds = [k * pp * v for k in MICROBATCH_ROUNDS if pp > 1 and replica % (k * pp * v) == 0] or [1]
+    out: list[Layout] = []
+    for optimizer, offload in _variants(config, pp):
+        if not offload and search.pruned(graph, gpus, tp, pp, dp, optimizer):
+            continue
+
+        def run(recompute: str, microbatches: int, optimizer=optimizer, offload=offload) -> Layout | None:
+            x = search.evaluate(gpus, tp, pp, schedule, v, microbatches, optimizer, offload, recompute)
+            if x is not None:
+                out.append(x)
+            return x
+
+        lightest = run(RECOMPUTE[-1], rounds[-1])
+        if lightest is None or not lightest.fits:
+            continue
+        for recompute in RECOMPUTE:
+            best = None
+            for microbatches in rounds:
+                x = (
+                    lightest
+                    if (recompute, microbatches) == (RECOMPUTE[-1], rounds[-1])
+                    else run(recompute, microbatches)
+                )
+                if x is not None and x.fits:
+                    best = microbatches
+                    break
+            if best == rounds[0]:
+                break  # the most microbatches with this little recompute: more recompute is only slower
+        return out  # a lighter optimizer or host offload only costs time once this variant fits
+    return out
+
+
+def _variants(config: TrainConfig, pp: int) -> list[tuple[str, bool]]:
+    """(optimizer, host offload), cheapest first: the config's, then 8-bit AdamW states, then host
+    offload (data parallel only)."""
+    out = [(config.optimizer, False)]
+    if config.optimizer == "adamw":
+        out.append(("adamw-8bit", False))
+    if pp == 1:
+        out.append((config.optimizer, True))
+    return out
+
+
+def _pareto(layouts: list[Layout]) -> list[Layout]:
+    """Fitting layouts no other beats on both GPUs (fewer or equal) and step time (shorter)."""
+    fitting = sorted((x for x in layouts if x.fits), key=lambda x: (x.gpus, x.time.step_s))
+    front: list[Layout] = []
+    for x in fitting:
+        if not front or x.time.step_s < front[-1].time.step_s:
+            if front and front[-1].gpus == x.gpus:
+                continue
+            front.append(x)
+    return front
+
+
+def _why_none(layouts: list[Layout], search: _Search, max_gpus: int, budget: int) -> str:
+    """What binds: the lowest peak reached on the most GPUs tried, and what it is made of."""
+    if not layouts and search.lightest_states is not None:
+        states, label = search.lightest_states
+        return (
+            f"the model states alone are at least {format_bytes(states)} per GPU on the lightest layout ({label}), "
+            f"over the budget {format_bytes(budget)}: raise --max-gpus"
+        )
+    if not layouts:
+        return (
+            f"no layout tiles up to {max_gpus} GPUs with this global batch; raise --max-gpus or give a --global-batch "
+            "that the data-parallel degrees divide"
+        )
+    top = max(x.gpus for x in layouts)
+    best = min((x for x in layouts if x.gpus == top), key=lambda x: x.peak_bytes)
+    if best.peak_bytes <= budget:  # it fits on the GPU; the host cannot hold the offloaded states
+        return (
+            f"on {top} GPUs only host offload fits the GPU, and it needs {format_bytes(best.host_bytes)} of host memory "
+            f"per GPU (more than {format_bytes(HOST_MEMORY_BYTES_PER_GPU)}); raise --max-gpus"
+        )
+    return (
+        f"on {top} GPUs the lowest peak is {format_bytes(best.peak_bytes)} per GPU ({best.label}, recompute "
+        f"{best.recompute}{', host offload' if best.offload else ''}), over the budget {format_bytes(budget)}: "
+        "raise --max-gpus, shorten the sequence or the micro-batch"
+    )
+
+
+def search_layouts(
+    spec: str,
+    config: TrainConfig,
+    *,
+    max_gpus: int = 512,
+    gpus_per_node: int | None = None,
+    global_batch: int | None = None,
+    budget_bytes: int,
+    time_limit_s: float = 10.0,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> LayoutSearch:
+    """Search layouts of `config`'s step on up to `max_gpus` GPUs of `config.gpu` (see the module
+    docstring); `config.tp` / `config.pp` above 1 pin those degrees."""
+    started = time.perf_counter()
+    device = get_device(config.gpu)
+    per_node = gpus_per_node or device.gpus_per_node
+    batch = global_batch or default_global_batch(config)
+    if batch % config.batch_size:
+        raise MemplanError(
+            f"--global-batch {batch} is not a multiple of the micro-batch --batch-size {config.batch_size}"
+        )
+    base = config.with_(tp=1, pp=1, dp=1, zero_stage=3, grad_accum_steps=1, microbatches=None, stages_per_rank=None)
+    search = _Search(spec, base, budget_bytes, device, batch)
+    if search.graph(1) is None:
+        raise MemplanError(f"memplan cannot trace {spec}: {search.skipped[1]}")
+    layouts: list[Layout] = []
+    first_fit: int | None = None
+    counts = _powers_of_two(max_gpus)
+    for done, gpus in enumerate(counts):
+        if first_fit is not None and gpus > first_fit << GROWTH:
+            break
+        if progress is not None:
+            progress(done, len(counts), f"{gpus} GPUs")
+        for tp, pp, schedule, v in _shapes(search, gpus, per_node, config):
+            layouts += _shape_layouts(search, gpus, tp, pp, schedule, v, config)
+        if first_fit is None and any(x.fits and x.gpus == gpus for x in layouts):
+            first_fit = gpus
+    if progress is not None:
+        progress(len(counts), len(counts), "done")
+    fitting = [x for x in layouts if x.fits]
+    recommended = min(fitting, key=lambda x: (x.gpus, -x.tokens_per_s_per_gpu)) if fitting else None
+    plan = None
+    if recommended is not None and recommended.recompute != "none":
+        recommended, plan = _with_plan(search, recommended, time_limit_s)
+        layouts.append(recommended)
+    why = None if recommended is not None else _why_none(layouts, search, max_gpus, budget_bytes)
+    return LayoutSearch(
+        layouts=tuple(layouts),
+        pareto=tuple(_pareto(layouts)),
+        recommended=recommended,
+        why_none=why,
+        skipped=dict(search.skipped),
+        search_s=time.perf_counter() - started,
+        config={**config.to_dict(), "model": spec, "global_batch": batch, "gpus_per_node": per_node},
+        recipe=None if recommended is None else launch_recipe(recommended, spec, per_node),
+        recommended_plan=plan,
+    )
+
+
+def _with_plan(search: _Search, layout: Layout, time_limit_s: float) -> tuple[Layout, dict | None]:
+    """The recommended layout with the solver's recompute plan in place of a uniform one, when it is faster."""
+    graph = search.graphs[layout.tp]
+    config = search.config_for(
+        layout.tp,
+        layout.pp,
+        layout.dp,
+        layout.schedule,
+        layout.stages_per_rank,
+        layout.microbatches,
+        layout.accumulation,
+        layout.optimizer,
+        layout.offload,
+    )
+    try:
+        if layout.pp == 1:
+            plan = solve(graph, config, search.budget, time_limit_s=time_limit_s)
+            timeline = simulate(graph, config, plan=plan)
+            peak, step = timeline.peak_bytes, data_parallel_step_time(graph, config, timeline, search.device)
+            summary = {"decisions": len(plan.decisions), "overhead": plan.predicted.overhead}
+        else:
+            pipeline_plan = solve_pipeline(graph, config, search.budget, time_limit_s=time_limit_s)
+            pipeline = simulate_pipeline(graph, config, pipeline_plan.choices)
+            peak = pipeline.peak_bytes
+            one = pipeline_step_time(graph, config, pipeline, search.device, pipeline_plan.choices)
+            step = repeated(one, layout.accumulation)
+            summary = {
+                "decisions": len(pipeline_plan.choices),
+                "per_rank_recompute_s": [r.recompute_s for r in pipeline_plan.ranks],
+            }
+    except (InfeasibleBudget, SolverTimeout, MemplanError):
+        return layout, None
+    if peak > search.budget or step.step_s >= layout.time.step_s:
+        return layout, None
+    tokens = layout.global_batch * layout.seq_len
+    planned = Layout(
+        **{
+            **{k: getattr(layout, k) for k in Layout.__dataclass_fields__},
+            "recompute": "plan",
+            "peak_bytes": peak,
+            "time": step,
+            "tokens_per_s_per_gpu": tokens / (step.step_s * layout.gpus),
+            "mfu": layout.mfu * layout.time.step_s / step.step_s,
+        }
+    )
+    return planned, summary
+
+
+_TORCHTITAN_SCHEDULES = {"1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}
+_TORCHTITAN_AC = {"none": "none", "selective": "selective", "full": "full", "plan": "selective"}
+
+
+def launch_recipe(layout: Layout, spec: str, gpus_per_node: int) -> dict:
+    """How to launch a layout: torchrun, memplan's flags, and a torchtitan TOML fragment."""
+    nodes = math.ceil(layout.gpus / gpus_per_node)
+    per_node = min(layout.gpus, gpus_per_node)
+    rdzv = " --rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500" if nodes > 1 else ""
+    toml = [
+        "[parallelism]",
+        f"data_parallel_shard_degree = {layout.dp}",
+        f"tensor_parallel_degree = {layout.tp}",
+        f"pipeline_parallel_degree = {layout.pp}",
+    ]
+    if layout.pp > 1:
+        toml += [
+            f'pipeline_parallel_schedule = "{_TORCHTITAN_SCHEDULES[layout.schedule]}"',
+            f"pipeline_parallel_microbatch_size = {layout.micro_batch_size}",
+        ]
+    toml += [
+        "context_parallel_degree = 1",
+        "",
+        "[training]",
+        f"local_batch_size = {layout.global_batch // layout.dp}",
+        f"global_batch_size = {layout.global_batch}",
+        f"seq_len = {layout.seq_len}",
+        *(["enable_cpu_offload = true  # FSDP2 CPUOffloadPolicy"] if layout.offload else []),
+        "",
+        "[activation_checkpoint]",
+        f'mode = "{_TORCHTITAN_AC[layout.recompute]}"',
+    ]
+    return {
+        "torchrun": f"torchrun --nnodes {nodes} --nproc-per-node {per_node}{rdzv} train.py",
+        "memplan": f"memplan simulate --model {spec} {layout.flags()}",
+        "torchtitan_toml": "\n".join(toml),
+    }
