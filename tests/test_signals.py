@@ -50,7 +50,7 @@ def test_ctrl_c_during_a_solve_stops_it_and_raises(traced) -> None:
     start = time.perf_counter()
     timer.start()
     with pytest.raises(KeyboardInterrupt):
-        for _ in range(50):  # keep solving until the interrupt lands
+        while time.perf_counter() - start < 20:  # keep solving until the interrupt lands
             solve_choices(graph, CONFIG, budget, time_limit_s=60)
     timer.cancel()
     assert time.perf_counter() - start < 30
