@@ -29,6 +29,7 @@ from planner.solver.pipeline_plans import choices_of, evaluate_pipeline, solve_p
 from planner.solver.planning import compare_strategies, solve
 from planner.tracing.graph import OpGraph
 from planner.tracing.hf import disable_kv_cache
+from planner.tracing.parallel.rank_trace import trace_tp_rank
 from planner.tracing.recorder import trace, trace_for
 from planner.tracing.specs import resolve_spec
 from planner.units import format_bytes
@@ -98,7 +99,14 @@ def _refuse_pipeline(config: TrainConfig, command: str) -> None:
 
 
 def _pipeline_graph(spec: str, config: TrainConfig) -> OpGraph:
-    """The step traced once at one microbatch's batch (what every stage is cut from)."""
+    """The step traced once at one microbatch's batch (what every stage is cut from); under tensor
+    parallel, the first tensor-parallel rank's step."""
+    micro = config.batch_size // config.num_microbatches
+    if config.tp > 1:
+        stage = config.with_(
+            pp=1, pp_schedule="1f1b", pp_split="uniform", microbatches=None, stages_per_rank=None, batch_size=micro
+        )
+        return trace_tp_rank(spec, stage, rank=0)[0]
     return trace(
         spec,
         batch_size=config.batch_size // config.num_microbatches,

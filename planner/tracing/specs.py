@@ -187,6 +187,11 @@ _PRESET_LIST = [
         partial(_build_llama, _llama(128256, 8192, 28672, 80, 64, 8, 5e5)),
     ),
     ModelSpec(
+        "llama-405b",
+        "Llama-3.1-405B: 126 layers, hidden 16384, 128 query / 8 key-value heads, vocab 128256",
+        partial(_build_llama, _llama(128256, 16384, 53248, 126, 128, 8, 5e5)),
+    ),
+    ModelSpec(
         "llama-70b-tiny",
         "Llama-3-70B architecture, 4 layers, hidden 128, 16 query / 2 key-value heads",
         partial(_build_llama, _llama(512, 128, 448, 4, 16, 2, 5e5)),
