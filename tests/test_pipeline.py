@@ -142,6 +142,23 @@ def test_simulate_cli_pipeline_json(tmp_path, capsys):
     assert [r["stage"] for r in d["ranks"]] == [[0, 2], [1, 3]]
 
 
+def test_simulate_cli_pipeline_with_tensor_parallel(tmp_path, capsys):
+    """--tp 2 --pp 2: each stage's ranks are a tensor-parallel group (mesh [pp, dp, cp, tp]) holding
+    about half the stage's parameters, and a stage's peak drops by about half."""
+    argv = ["simulate", "--model", "llama-70b-tiny", "--seq-len", "32", "--batch-size", "4", "--pp", "2"]
+    stages = {}
+    for tp in (1, 2):
+        p = tmp_path / f"tp{tp}.json"
+        code, _, err = run([*argv, "--tp", str(tp), "--json", str(p)], capsys)
+        assert code == 0, err
+        stages[tp] = json.loads(p.read_text())["ranks"]
+    assert [r["ranks"] for r in stages[2]] == [[0, 1], [2, 3]]
+    for whole, sharded in zip(stages[1], stages[2], strict=True):
+        params = whole["breakdown_at_peak"]["parameter"], sharded["breakdown_at_peak"]["parameter"]
+        assert params[0] / 2 <= params[1] < 0.6 * params[0]  # norms stay replicated
+        assert sharded["peak_bytes"] < 0.6 * whole["peak_bytes"]
+
+
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
@@ -157,7 +174,7 @@ def test_simulate_cli_pipeline_errors(capsys, extra, needle):
     assert_user_error(code, err, "simulate", needle)
 
 
-@pytest.mark.parametrize("command", ["verify", "fit"])  # plan --pp: tests/test_pipeline_plans.py
+@pytest.mark.parametrize("command", ["verify"])  # plan --pp: test_pipeline_plans.py; fit --pp: test_layouts.py
 def test_commands_without_pipelines_refuse_pp(capsys, command):
     argv = [command, "--model", "llama-70b-tiny", "--seq-len", "32", "--batch-size", "4", "--pp", "2"]
     code, _, err = run(argv, capsys)

@@ -180,6 +180,7 @@ class _Search:
         self.peak_flops = peak_flops_per_s(dtype, device)
         self.flops_per_sequence = 0.0
         self.lightest_states: tuple[int, str] | None = None  # the lightest pruned layout's states per GPU
+        self.allow_offload, self.allow_8bit = True, True
 
     def pruned(self, graph: OpGraph, gpus: int, tp: int, pp: int, dp: int, optimizer: str) -> bool:
         """Whether the model states alone of this layout exceed the budget (recorded for what binds)."""
@@ -363,7 +364,7 @@ def _shape_layouts(
     replica = search.global_batch // (dp * search.base.batch_size)  # micro-batches per replica and step
     rounds = [k * pp * v for k in MICROBATCH_ROUNDS if pp > 1 and replica % (k * pp * v) == 0] or [1]
     out: list[Layout] = []
-    for optimizer, offload in _variants(config, pp):
+    for optimizer, offload in _variants(config, pp, search):
         if not offload and search.pruned(graph, gpus, tp, pp, dp, optimizer):
             continue
 
@@ -393,13 +394,13 @@ def _shape_layouts(
     return out
 
 
-def _variants(config: TrainConfig, pp: int) -> list[tuple[str, bool]]:
+def _variants(config: TrainConfig, pp: int, search: _Search) -> list[tuple[str, bool]]:
     """(optimizer, host offload), cheapest first: the config's, then 8-bit AdamW states, then host
-    offload (data parallel only)."""
+    offload (data parallel only), each where the search allows it."""
     out = [(config.optimizer, False)]
-    if config.optimizer == "adamw":
+    if config.optimizer == "adamw" and search.allow_8bit:
         out.append(("adamw-8bit", False))
-    if pp == 1:
+    if pp == 1 and search.allow_offload:
         out.append((config.optimizer, True))
     return out
 
@@ -452,10 +453,13 @@ def search_layouts(
     global_batch: int | None = None,
     budget_bytes: int,
     time_limit_s: float = 10.0,
+    allow_offload: bool = True,
+    allow_8bit: bool = True,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> LayoutSearch:
     """Search layouts of `config`'s step on up to `max_gpus` GPUs of `config.gpu` (see the module
-    docstring); `config.tp` / `config.pp` above 1 pin those degrees."""
+    docstring); `config.tp` / `config.pp` above 1 pin those degrees; `allow_offload` / `allow_8bit`
+    let it try host offload and 8-bit AdamW states."""
     started = time.perf_counter()
     device = get_device(config.gpu)
     per_node = gpus_per_node or device.gpus_per_node
@@ -466,6 +470,7 @@ def search_layouts(
         )
     base = config.with_(tp=1, pp=1, dp=1, zero_stage=3, grad_accum_steps=1, microbatches=None, stages_per_rank=None)
     search = _Search(spec, base, budget_bytes, device, batch)
+    search.allow_offload, search.allow_8bit = allow_offload, allow_8bit
     if search.graph(1) is None:
         raise MemplanError(f"memplan cannot trace {spec}: {search.skipped[1]}")
     layouts: list[Layout] = []
@@ -497,7 +502,7 @@ def search_layouts(
         skipped=dict(search.skipped),
         search_s=time.perf_counter() - started,
         config={**config.to_dict(), "model": spec, "global_batch": batch, "gpus_per_node": per_node},
-        recipe=None if recommended is None else launch_recipe(recommended, spec, per_node),
+        recipe=None if recommended is None else launch_recipe(recommended, spec, per_node, config),
         recommended_plan=plan,
     )
 
@@ -554,7 +559,7 @@ _TORCHTITAN_SCHEDULES = {"1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}
 _TORCHTITAN_AC = {"none": "none", "selective": "selective", "full": "full", "plan": "selective"}
 
 
-def launch_recipe(layout: Layout, spec: str, gpus_per_node: int) -> dict:
+def launch_recipe(layout: Layout, spec: str, gpus_per_node: int, config: TrainConfig) -> dict:
     """How to launch a layout: torchrun, memplan's flags, and a torchtitan TOML fragment."""
     nodes = math.ceil(layout.gpus / gpus_per_node)
     per_node = min(layout.gpus, gpus_per_node)
@@ -584,6 +589,9 @@ def launch_recipe(layout: Layout, spec: str, gpus_per_node: int) -> dict:
     ]
     return {
         "torchrun": f"torchrun --nnodes {nodes} --nproc-per-node {per_node}{rdzv} train.py",
-        "memplan": f"memplan simulate --model {spec} {layout.flags()}",
+        "memplan": (
+            f"memplan simulate --model {spec} --seq-len {layout.seq_len} --precision {config.precision} "
+            f"--gpu {config.gpu} {layout.flags()}"
+        ),
         "torchtitan_toml": "\n".join(toml),
     }

@@ -1,0 +1,161 @@
+"""`fit --layouts`: the whole-layout search (planner/analysis/layouts.py) and its step time
+(planner/simulation/step_time.py), on a small Llama with budgets that force several GPUs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cli_helpers import run
+
+from planner.analysis.layouts import search_layouts
+from planner.api import simulate_layout, simulate_model
+from planner.config import TrainConfig
+
+SPEC = "llama-70b-tiny"  # 4 blocks, 16 query / 2 key-value heads: tp 1 and 2, pp up to 2
+CONFIG = TrainConfig(batch_size=1, seq_len=64, gpu="h100-80gb")
+MiB = 2**20
+REQUIRED = (
+    "gpus tp pp dp cp ep schedule microbatches stages_per_rank optimizer offload "
+    "step_time_s tokens_per_s_per_gpu mfu peak_bytes"
+).split()
+
+
+@pytest.fixture(scope="module")
+def search():
+    return search_layouts(
+        SPEC, CONFIG, max_gpus=16, budget_bytes=6 * MiB, global_batch=32, allow_offload=False, allow_8bit=False
+    )
+
+
+def _config_of(x) -> TrainConfig:
+    """The layout as memplan's flags give it."""
+    c = CONFIG.with_(tp=x.tp, dp=x.dp, zero_stage=3, optimizer=x.optimizer, cpu_offload=x.offload)
+    if x.pp == 1:
+        return c.with_(grad_accum_steps=x.accumulation)
+    return c.with_(
+        pp=x.pp,
+        pp_schedule=x.schedule,
+        microbatches=x.microbatches,
+        stages_per_rank=x.stages_per_rank,
+        batch_size=x.microbatches,
+        reshard_after_forward=False,
+    )
+
+
+def test_recommended_is_the_fewest_gpus_that_fit_and_the_fastest_on_them(search):
+    best = search.recommended
+    assert best is not None and best.fits and best.peak_bytes <= 6 * MiB
+    assert best.gpus > 1  # one GPU cannot hold it under this budget
+    assert not any(x.fits and x.gpus < best.gpus for x in search.layouts)
+    same = [x for x in search.layouts if x.fits and x.gpus == best.gpus]
+    assert best.tokens_per_s_per_gpu == max(x.tokens_per_s_per_gpu for x in same)
+
+
+def test_layout_peaks_are_what_simulate_says_for_the_same_flags(search):
+    checked = 0
+    for x in search.layouts:
+        if x.recompute != "none" or checked >= 4:
+            continue
+        config = _config_of(x)
+        exact = simulate_layout(SPEC, config) if x.tp > 1 or x.pp > 1 else simulate_model(SPEC, config)
+        assert exact.peak_bytes == x.peak_bytes, x.label
+        checked += 1
+    assert checked >= 2
+    assert {x.pp for x in search.layouts} >= {1, 2} and {x.tp for x in search.layouts} >= {1, 2}
+
+
+def test_pareto_front_trades_gpus_for_time(search):
+    front = search.pareto
+    assert front and front[0].gpus == search.recommended.gpus
+    for a, b in zip(front, front[1:]):
+        assert a.gpus < b.gpus and b.time.step_s < a.time.step_s
+
+
+def test_step_time_parts_add_up_and_rates_follow(search):
+    for x in search.layouts:
+        t = x.time
+        parts = t.compute_s + t.exposed_communication_s + t.bubble_s + t.recompute_s + t.optimizer_s + t.offload_s
+        assert parts == pytest.approx(t.step_s, rel=1e-9)
+        assert x.tokens_per_s_per_gpu == pytest.approx(x.global_batch * x.seq_len / (t.step_s * x.gpus))
+        assert 0 < x.mfu < 1
+        if x.pp == 1:
+            assert t.bubble_s == 0
+        if x.tp > 1:
+            assert t.exposed_communication_s > 0  # sequence parallel's gathers and scatters
+
+
+def test_more_microbatches_per_pipeline_step_shrink_the_bubble():
+    from costmodels.hardware import get_device
+    from planner.simulation.pipeline import simulate_pipeline
+    from planner.simulation.step_time import pipeline_step_time
+    from planner.tracing.parallel.rank_trace import trace_tp_rank
+
+    graph = trace_tp_rank(SPEC, CONFIG.with_(tp=2, zero_stage=3), rank=0)[0]
+    rows = []
+    for m in (2, 8):
+        config = CONFIG.with_(tp=2, pp=2, microbatches=m, batch_size=m, dp=2, zero_stage=3, reshard_after_forward=False)
+        pipeline = simulate_pipeline(graph, config)
+        rows.append((pipeline_step_time(graph, config, pipeline, get_device(CONFIG.gpu)), pipeline.peak_bytes))
+    (few, few_peak), (many, many_peak) = rows
+    assert many.bubble_s / many.step_s < few.bubble_s / few.step_s
+    assert many_peak > few_peak  # each microbatch of a step keeps a receive buffer (torch's pipelining)
+
+
+def test_pinned_degrees_are_kept():
+    r = search_layouts(SPEC, CONFIG.with_(tp=2), max_gpus=8, budget_bytes=6 * MiB, global_batch=32, allow_offload=False)
+    assert r.layouts and all(x.tp == 2 for x in r.layouts)
+
+
+def test_nothing_fits_says_what_binds_in_one_line():
+    r = search_layouts(SPEC, CONFIG, max_gpus=4, budget_bytes=MiB, global_batch=32, allow_offload=False)
+    assert r.recommended is None and r.why_none
+    assert "\n" not in r.why_none and "raise --max-gpus" in r.why_none
+
+
+def _small_gpu(tmp_path, memory_bytes: int) -> str:
+    from dataclasses import asdict
+
+    from costmodels.hardware import get_device
+
+    device = {**asdict(get_device("h100-80gb")), "name": "small", "memory_bytes": memory_bytes}
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps({"format": "memplan-device-profile/1", "device": device, "measured": {}}))
+    return str(path)
+
+
+def test_cli_json_and_recipe(tmp_path, capsys):
+    gpu = _small_gpu(tmp_path, 7 * MiB)
+    out = tmp_path / "layouts.json"
+    args = ["fit", "--model", SPEC, "--seq-len", "64", "--gpu", gpu, "--layouts", "--max-gpus", "16"]
+    code, stdout, err = run([*args, "--global-batch", "32", "--no-offload", "--json", str(out)], capsys)
+    assert code == 0, err
+    assert "recommended:" in stdout and "torchrun --nnodes 1" in stdout and "[parallelism]" in stdout
+    payload = json.loads(out.read_text())
+    assert payload["layouts"] and payload["recommended"]
+    for row in payload["layouts"]:
+        assert all(k in row for k in REQUIRED)
+    rec = payload["recommended"]
+    assert rec["fits"] and 0 < rec["mfu"] < 1
+    assert payload["recipe"]["memplan"].startswith(f"memplan simulate --model {SPEC} --seq-len 64")
+
+
+def test_cli_what_binds(tmp_path, capsys):
+    gpu = _small_gpu(tmp_path, MiB)
+    code, stdout, err = run(
+        ["fit", "--model", SPEC, "--seq-len", "64", "--gpu", gpu, "--layouts", "--max-gpus", "4", "--no-offload"],
+        capsys,
+    )
+    assert code == 0, err
+    line = next(s for s in stdout.splitlines() if s.startswith("no layout fits"))
+    assert "raise --max-gpus" in line
+
+
+def test_cli_pinned_pp_searches_layouts_with_it(tmp_path, capsys):
+    gpu = _small_gpu(tmp_path, 7 * MiB)
+    out = tmp_path / "layouts.json"
+    argv = ["fit", "--model", SPEC, "--seq-len", "64", "--gpu", gpu, "--pp", "2", "--max-gpus", "8"]
+    code, _, err = run([*argv, "--global-batch", "32", "--no-offload", "--json", str(out)], capsys)
+    assert code == 0, err
+    rows = json.loads(out.read_text())["layouts"]
+    assert rows and all(row["pp"] == 2 for row in rows)
