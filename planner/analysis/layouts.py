@@ -356,9 +356,10 @@ def _shape_layouts(
 ) -> list[Layout]:
     """The layouts simulated for one shape: for each optimizer/offload variant (cheapest first, until
     one fits), the lightest candidate first (full recompute, fewest microbatches), and when it fits,
-    for each recompute level (least first) the most microbatches per pipeline step that fit, until
-    a level fits with the most. Peaks only grow with less recompute and more microbatches, and time
-    with more recompute and fewer microbatches, so nothing left out could be faster and fit."""
+    for each recompute level (least first) whose fewest microbatches fit, the most microbatches per
+    pipeline step that fit, until a level fits with the most. Peaks only grow with less recompute
+    and more microbatches, and time with more recompute and fewer microbatches, so nothing left out
+    could be faster and fit."""
     graph = search.graphs[tp]
     dp = gpus // (tp * pp)
     replica = search.global_batch // (dp * search.base.batch_size)  # micro-batches per replica and step
@@ -378,13 +379,12 @@ def _shape_layouts(
         if lightest is None or not lightest.fits:
             continue
         for recompute in RECOMPUTE:
-            best = None
-            for microbatches in rounds:
-                x = (
-                    lightest
-                    if (recompute, microbatches) == (RECOMPUTE[-1], rounds[-1])
-                    else run(recompute, microbatches)
-                )
+            fewest = lightest if recompute == RECOMPUTE[-1] else run(recompute, rounds[-1])
+            if fewest is None or not fewest.fits:
+                continue  # more microbatches only hold more
+            best = rounds[-1]
+            for microbatches in rounds[:-1]:
+                x = run(recompute, microbatches)
                 if x is not None and x.fits:
                     best = microbatches
                     break

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 
 from costmodels.memory import get_precision
 from planner.config import TrainConfig
+from planner.simulation.memo import memo
 from planner.tracing.graph import OpGraph
 
 __all__ = ["FsdpUnit", "fsdp_buffers", "fsdp_itemsizes", "fsdp_units"]
@@ -177,11 +178,15 @@ def fsdp_buffers(graph: OpGraph, config: TrainConfig, gradient_scale: float) -> 
 
     `gradient_scale` is the simulator's per-rank bytes of each traced gradient byte (the sharded
     gradient it counts from the op that produces it); until the unit's reduce-scatter the
-    difference to the unsharded gradient is added here.
+    difference to the unsharded gradient is added here. Kept while the graph lives (read-only).
     """
-    dp = config.dp
-    if dp == 1 or config.zero_stage < 3:
+    if config.dp == 1 or config.zero_stage < 3:
         return {}
+    return memo("fsdp_buffers", graph, (config, gradient_scale), lambda: _fsdp_buffers(graph, config, gradient_scale))
+
+
+def _fsdp_buffers(graph: OpGraph, config: TrainConfig, gradient_scale: float) -> dict[int, dict[str, int]]:
+    dp = config.dp
     units = fsdp_units(graph, dp)
     root = len(units) - 1
     raf = config.reshard_after_forward

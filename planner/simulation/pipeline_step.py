@@ -25,7 +25,6 @@ as torchtitan runs it).
 
 from __future__ import annotations
 
-import weakref
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from planner.errors import MemplanError
 from planner.simulation.costs import StepCosts, category_scale, op_times, storage_bytes
 from planner.simulation.effects import FREE, REPLAY, SAMPLE, ChoiceEffect, SpanChoice, choice_effect
 from planner.simulation.fsdp import fsdp_buffers
+from planner.simulation.memo import memo
 from planner.simulation.pipeline_schedule import PipelineAction, PipelineSchedule
 from planner.simulation.pipeline_split import StageCut, op_stages, weight_gradient_ops
 from planner.simulation.step import Timeline
@@ -60,21 +60,30 @@ class _Program:
     delta: np.ndarray  # (len(ops), categories)
     head: np.ndarray = field(default_factory=lambda: np.zeros(_NC, dtype=np.int64))
     tail: np.ndarray = field(default_factory=lambda: np.zeros(_NC, dtype=np.int64))
+    pending: list[tuple[int, int, int, bool]] = field(default_factory=list)  # add()s not yet on the rows
 
     def add(self, op: int, category: str, nbytes: int, after: bool = False) -> None:
         """Bytes applied before op `op` samples (`after`: right after it), or at HEAD / TAIL. Where a
         recompute's replay adds sample rows before op `op` (the op appears more than once), frees
-        land before the replay (its first row) and allocations after it (the op's own row)."""
+        land before the replay (its first row) and allocations after it (the op's own row). They
+        reach the rows at :meth:`settle`."""
         if op == HEAD:
             self.head[_CAT[category]] += nbytes
-            return
-        left = int(np.searchsorted(self.ops, op, side="left"))
-        right = int(np.searchsorted(self.ops, op, side="right"))
-        pos = right if after else (left if nbytes < 0 or right == left else right - 1)
-        if op == TAIL or pos >= len(self.ops):
-            self.tail[_CAT[category]] += nbytes
         else:
-            self.delta[pos, _CAT[category]] += nbytes
+            self.pending.append((op, _CAT[category], nbytes, after))
+
+    def settle(self) -> None:
+        """Put every pending add() on its row (or the tail), all at once."""
+        if not self.pending:
+            return
+        op, cat, nbytes, after = (np.asarray(x, dtype=np.int64) for x in zip(*self.pending, strict=True))
+        self.pending.clear()
+        left = np.searchsorted(self.ops, op, side="left")
+        right = np.searchsorted(self.ops, op, side="right")
+        pos = np.where(after.astype(bool), right, np.where((nbytes < 0) | (right == left), left, right - 1))
+        tail = (op == TAIL) | (pos >= len(self.ops))
+        np.add.at(self.tail, cat[tail], nbytes[tail])
+        np.add.at(self.delta, (pos[~tail], cat[~tail]), nbytes[~tail])
 
     def add_row(self, pos: int, category: str, nbytes: int) -> None:
         """Bytes applied before row `pos` samples (a replay's rows)."""
@@ -83,6 +92,7 @@ class _Program:
     def minus(self, other: _Program) -> _Program:
         """This program's bytes less another's on the same rows (what a choice changes)."""
         assert np.array_equal(self.ops, other.ops), "programs on different rows"
+        assert not self.pending and not other.pending, "settle() the programs first"
         return _Program(self.ops, self.delta - other.delta, self.head - other.head, self.tail - other.tail)
 
 
@@ -155,20 +165,25 @@ class _Context:
     times: np.ndarray
 
 
-_CONTEXTS: dict[tuple, tuple[weakref.ref, _Context]] = {}
+def _sizing(config: TrainConfig) -> TrainConfig:
+    """The part of a config that a stage's storages and programs depend on: not the schedule, the
+    number of microbatches or the replica's batch (the trace is at one microbatch)."""
+    return config.with_(
+        pp=1, pp_schedule="1f1b", pp_split="uniform", microbatches=None, stages_per_rank=None, batch_size=1
+    )
 
 
 def _context(graph: OpGraph, config: TrainConfig, cuts: tuple[StageCut, ...]) -> _Context:
-    key = (id(graph), config, cuts)
-    hit = _CONTEXTS.get(key)
-    if hit is not None and hit[0]() is graph:
-        return hit[1]
+    return memo("context", graph, (_sizing(config), cuts), lambda: _make_context(graph, config, cuts))
+
+
+def _make_context(graph: OpGraph, config: TrainConfig, cuts: tuple[StageCut, ...]) -> _Context:
     stage_of, in_bwd = op_stages(graph, cuts)
     weight_ops = weight_gradient_ops(graph)
     w_read = {tid for i in weight_ops for tid in graph.ops[i].inputs} | {
         tid for i in weight_ops for tid in graph.ops[i].allocs
     }
-    ctx = _Context(
+    return _Context(
         stage_of,
         in_bwd,
         storage_bytes(graph, config),
@@ -178,11 +193,6 @@ def _context(graph: OpGraph, config: TrainConfig, cuts: tuple[StageCut, ...]) ->
         _retained_forward_ops(graph, stage_of, in_bwd),
         op_times(graph, get_device(config.gpu)),
     )
-    while len(_CONTEXTS) >= 4:
-        del _CONTEXTS[next(iter(_CONTEXTS))]
-    _CONTEXTS[key] = (weakref.ref(graph), ctx)
-    weakref.finalize(graph, _CONTEXTS.pop, key, None)
-    return ctx
 
 
 @dataclass(frozen=True)
@@ -206,6 +216,13 @@ def stage_effects(
     graph: OpGraph, config: TrainConfig, cuts: tuple[StageCut, ...], choices: Sequence[SpanChoice]
 ) -> list[StageEffect]:
     """Each choice's effect on its stage; a choice must lie inside one stage and recompute."""
+    key = (_sizing(config), cuts, tuple(choices))
+    return memo("effects", graph, key, lambda: _stage_effects(graph, config, cuts, choices))
+
+
+def _stage_effects(
+    graph: OpGraph, config: TrainConfig, cuts: tuple[StageCut, ...], choices: Sequence[SpanChoice]
+) -> list[StageEffect]:
     ctx = _context(graph, config, cuts)
     host = checkpoint_host_s(get_device(config.gpu))
     out = []
@@ -256,25 +273,74 @@ def stage_programs(
     before its span's backward in the stage's B programs (`rows`: stage -> op -> rows, default
     the choices' own; give a superset to line several plans' programs up row for row). `only`:
     place just these storages (and the choices' events), for what a choice changes."""
-    n_ops = len(graph.ops)
+    effects = [
+        c if isinstance(c, StageEffect) else e
+        for c in choices
+        for e in ([c] if isinstance(c, StageEffect) else stage_effects(graph, config, cuts, [c]))
+    ]
+    if only is None and rows is None:  # the whole step: the same for every microbatch count
+        key = (_sizing(config), cuts, tuple(e.choice for e in effects))
+        placed = memo("placed", graph, key, lambda: _place(graph, config, cuts, effects, None, None))
+    else:
+        placed = _place(graph, config, cuts, effects, only, rows)
     m = config.num_microbatches
+    out = []
+    precision = get_precision(config.precision)
+    foreach = get_device(config.gpu).is_cuda
+    for c in cuts:
+        shapes = placed.param_shapes[c.index]
+        states = model_state_bytes(shapes, precision, config.optimizer, config.zero_stage, config.dp, foreach=foreach)
+        out.append(
+            StageMemory(
+                index=c.index,
+                persistent=placed.persistent[c.index] + m * placed.per_microbatch[c.index],
+                sent_bytes=placed.sent_bytes[c.index],
+                grad_sent_bytes=placed.grad_sent_bytes[c.index],
+                programs=placed.programs[c.index],
+                num_parameters=states.num_parameters,
+                optimizer_bytes=0 if config.cpu_offload else states.optimizer,
+                optimizer_step_temporary=0 if config.cpu_offload else states.optimizer_step_temporary,
+                param_shapes=shapes,
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """Every stage's storages placed on its programs (read-only; shared by cached callers):
+    persistent bytes, those held once per microbatch, what one microbatch sends on and back."""
+
+    persistent: list[np.ndarray]
+    per_microbatch: list[np.ndarray]
+    sent_bytes: list[np.ndarray]
+    grad_sent_bytes: list[np.ndarray]
+    programs: list[dict[str, _Program]]
+    param_shapes: list[tuple[tuple[int, ...], ...]]
+
+
+def _place(
+    graph: OpGraph,
+    config: TrainConfig,
+    cuts: tuple[StageCut, ...],
+    effects: list[StageEffect],
+    only: Collection[int] | None,
+    rows: Mapping[int, Mapping[int, int]] | None,
+) -> _Placed:
+    n_ops = len(graph.ops)
     last = len(cuts) - 1
     ctx = _context(graph, config, cuts)
     stage_of, in_bwd, sizes, readers = ctx.stage_of, ctx.in_bwd, ctx.sizes, ctx.readers
     weight_ops, w_read, retained = ctx.weight_ops, ctx.w_read, ctx.retained
     phase = [op.phase for op in graph.ops]
     regions = sorted(graph.regions, key=lambda r: r.fwd_start)
-    effects = [
-        c if isinstance(c, StageEffect) else e
-        for c in choices
-        for e in ([c] if isinstance(c, StageEffect) else stage_effects(graph, config, cuts, [c]))
-    ]
     rows = replay_rows(effects) if rows is None else rows
     moved = set().union(*(e.moved for e in effects)) if effects else set()
 
     fwd_ops = [range(c.fwd_start, c.fwd_end) for c in cuts]
     bwd_ops = [range(c.bwd_start, c.bwd_end) for c in cuts]
     persistent = [np.zeros(_NC, dtype=np.int64) for _ in cuts]
+    per_microbatch = [np.zeros(_NC, dtype=np.int64) for _ in cuts]
     sent_bytes = [np.zeros(_NC, dtype=np.int64) for _ in cuts]
     grad_sent_bytes = [np.zeros(_NC, dtype=np.int64) for _ in cuts]
     progs = []
@@ -330,7 +396,7 @@ def stage_programs(
         f = t.free_op if t.free_op is not None and t.free_op < n_ops else None
         if t.alloc_op < 0:  # before the step: parameters, buffers, the batch
             for s in sorted({int(stage_of[i]) for i in reads}):
-                persistent[s][_CAT[t.category]] += z * (m if t.category == "activation" else 1)
+                (per_microbatch if t.category == "activation" else persistent)[s][_CAT[t.category]] += z
                 if t.category == "parameter":
                     param_shapes[s].append(t.shape)
             continue
@@ -359,7 +425,7 @@ def stage_programs(
                     continue
                 boundary = s == sa + 1 and a >= regions[cuts[sa].block_end - 1].fwd_start
                 if boundary:
-                    persistent[s][_CAT[t.category]] += m * z
+                    per_microbatch[s][_CAT[t.category]] += z
                     continue
                 read_in_bwd = any(stage_of[i] == s and in_bwd[i] for i in reads)
                 progs[s]["F"].add(HEAD, t.category, z)
@@ -386,30 +452,13 @@ def stage_programs(
             backward_pair(sa, a, TAIL, t.id, z)
         for s in earlier_reads:  # a gradient received from a later stage: one buffer per microbatch
             if s == sa - 1:
-                persistent[s][_CAT[t.category]] += m * z
+                per_microbatch[s][_CAT[t.category]] += z
     for e in effects:
         _place_effect(graph, cuts[e.stage], e, progs[e.stage], rows.get(e.stage, {}), backward_event)
-    out = []
-    precision = get_precision(config.precision)
-    foreach = get_device(config.gpu).is_cuda
-    for c in cuts:
-        states = model_state_bytes(
-            param_shapes[c.index], precision, config.optimizer, config.zero_stage, config.dp, foreach=foreach
-        )
-        out.append(
-            StageMemory(
-                index=c.index,
-                persistent=persistent[c.index],
-                sent_bytes=sent_bytes[c.index],
-                grad_sent_bytes=grad_sent_bytes[c.index],
-                programs=progs[c.index],
-                num_parameters=states.num_parameters,
-                optimizer_bytes=0 if config.cpu_offload else states.optimizer,
-                optimizer_step_temporary=0 if config.cpu_offload else states.optimizer_step_temporary,
-                param_shapes=tuple(param_shapes[c.index]),
-            )
-        )
-    return out
+    for p in progs:
+        for prog in p.values():
+            prog.settle()
+    return _Placed(persistent, per_microbatch, sent_bytes, grad_sent_bytes, progs, [tuple(p) for p in param_shapes])
 
 
 def _place_effect(graph: OpGraph, cut: StageCut, e: StageEffect, p: dict[str, _Program], rows, backward_event) -> None:
@@ -532,6 +581,7 @@ def replay_rank(
     grads_made: set[int] = set()
     actions = schedule.compute(rank)
     frees = _send_frees(stages, schedule, rank)
+    curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # program -> (bytes at its rows from its start, net)
     for k, act in enumerate(actions):
         p = stages[act.stage].programs
         if act.kind in ("F", "I"):
@@ -539,12 +589,17 @@ def replay_rank(
         else:  # B or W: the stage's first one allocates its gradients, the others accumulate
             prog = p[act.kind if act.stage in grads_made else f"{act.kind}_first"]
             grads_made.add(act.stage)
+        if id(prog) not in curves:
+            curves[id(prog)] = (
+                prog.head + np.cumsum(prog.delta, axis=0) + extras[prog.ops],
+                prog.head + prog.delta.sum(axis=0) + prog.tail,
+            )
+        curve, net = curves[id(prog)]
         if len(prog.ops):
-            live = base + prog.head + np.cumsum(prog.delta, axis=0) + extras[prog.ops]
-            rows.append(live)
+            rows.append(base + curve)
             op_index.append(prog.ops)
             action_of.extend([k] * len(prog.ops))
-        base = base + prog.head + prog.delta.sum(axis=0) + prog.tail - frees.get(k, 0)
+        base = base + net - frees.get(k, 0)
     temp = np.zeros(_NC, dtype=np.int64)
     temp[_CAT["temporary"]] = sum(s.optimizer_step_temporary for s in own)
     rows.append((base + temp)[None, :])
