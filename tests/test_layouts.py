@@ -159,3 +159,18 @@ def test_cli_pinned_pp_searches_layouts_with_it(tmp_path, capsys):
     assert code == 0, err
     rows = json.loads(out.read_text())["layouts"]
     assert rows and all(row["pp"] == 2 for row in rows)
+
+
+def test_torchtitan_recipe_runs_the_layouts_batches(search):
+    """torchtitan accumulates global / (local x dp) steps: the recipe's local batch must give the
+    layout's accumulation steps, and its pipeline microbatches the layout's."""
+    import tomllib
+
+    from planner.analysis.layouts import launch_recipe
+
+    for x in search.layouts:
+        toml = tomllib.loads(launch_recipe(x, SPEC, 8, CONFIG)["torchtitan_toml"])
+        local, dp = toml["training"]["local_batch_size"], toml["parallelism"]["data_parallel_shard_degree"]
+        assert toml["training"]["global_batch_size"] // (local * dp) == x.accumulation
+        if x.pp > 1:
+            assert local // toml["parallelism"]["pipeline_parallel_microbatch_size"] == x.microbatches

@@ -556,7 +556,12 @@ def _with_plan(search: _Search, layout: Layout, time_limit_s: float) -> tuple[La
 
 
 _TORCHTITAN_SCHEDULES = {"1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}
-_TORCHTITAN_AC = {"none": "none", "selective": "selective", "full": "full", "plan": "selective"}
+_TORCHTITAN_AC = {
+    "none": '"none"',
+    "selective": '"selective"',
+    "full": '"full"',
+    "plan": "\"none\"  # memplan's plan recomputes instead: planner.apply_plan(model, fit --json's recommended_plan)",
+}
 
 
 def launch_recipe(layout: Layout, spec: str, gpus_per_node: int, config: TrainConfig) -> dict:
@@ -579,14 +584,21 @@ def launch_recipe(layout: Layout, spec: str, gpus_per_node: int, config: TrainCo
         "context_parallel_degree = 1",
         "",
         "[training]",
-        f"local_batch_size = {layout.global_batch // layout.dp}",
+        # torchtitan accumulates global / (local x dp) steps of local_batch_size sequences
+        f"local_batch_size = {layout.micro_batch_size * layout.microbatches}",
         f"global_batch_size = {layout.global_batch}",
         f"seq_len = {layout.seq_len}",
         *(["enable_cpu_offload = true  # FSDP2 CPUOffloadPolicy"] if layout.offload else []),
         "",
         "[activation_checkpoint]",
-        f'mode = "{_TORCHTITAN_AC[layout.recompute]}"',
+        f"mode = {_TORCHTITAN_AC[layout.recompute]}",
     ]
+    if layout.optimizer.endswith("-8bit"):
+        toml += [
+            "",
+            "[optimizer]",
+            f'name = "AdamW"  # memplan assumed {layout.optimizer} states: swap in an 8-bit AdamW',
+        ]
     return {
         "torchrun": f"torchrun --nnodes {nodes} --nproc-per-node {per_node}{rdzv} train.py",
         "memplan": (
