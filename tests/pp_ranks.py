@@ -172,7 +172,8 @@ def measure_case(rank: int, builder: str, config, counts: list[int], steps: int,
             ]
         )
         with tracker:
-            sched.step(*step_args, return_outputs=False, **step_kwargs)
+            for _ in range(config.grad_accum_steps):  # gradients accumulate across pipeline steps
+                sched.step(*step_args, return_outputs=False, **step_kwargs)
             if optimizer is not None:
                 optimizer.step()
             tracker.sample()

@@ -17,7 +17,10 @@ where they live, as ``torch.distributed.pipelining`` (stage.py, torch 2.13) keep
 - parameters, buffers and optimizer states of the stage's modules; gradients are allocated by
   the first microbatch's backward and accumulated into by the others (a transient per op);
 - the batch's inputs (ids on the first stage, labels on the last) are the whole batch;
-- FSDP2 (``--zero 3 --dp N``): the buffers of planner.simulation.fsdp at each replayed op.
+- FSDP2 (``--zero 3 --dp N``): the buffers of planner.simulation.fsdp at each replayed op;
+- gradient accumulation over pipeline steps (``--grad-accum N``): a later step starts with the
+  stage's gradients held and every backward accumulates into them (the step replayed is a later one,
+  the heavier).
 
 The last stage's outputs are not kept for the caller (``schedule.step(..., return_outputs=False)``,
 as torchtitan runs it).
@@ -561,6 +564,11 @@ def _send_frees(stages: list[StageMemory], schedule: PipelineSchedule, rank: int
     return dict(out)
 
 
+def _net(prog: _Program) -> np.ndarray:
+    """Bytes a program leaves allocated when it ends."""
+    return prog.head + prog.delta.sum(axis=0) + prog.tail
+
+
 def replay_rank(
     graph: OpGraph,
     config: TrainConfig,
@@ -575,11 +583,16 @@ def replay_rank(
     own = [stages[s] for s in schedule.stages(rank)]
     base = sum((s.persistent for s in own), np.zeros(_NC, dtype=np.int64)).copy()
     base[_CAT["optimizer"]] += sum(s.optimizer_bytes for s in own)
+    grads_made: set[int] = set()
+    actions = schedule.compute(rank)
+    if config.grad_accum_steps > 1:  # a later accumulation step: the gradients are live from its start
+        for s in own:
+            pair = "W" if any(a.kind == "W" and a.stage == s.index for a in actions) else "B"
+            base = base + _net(s.programs[f"{pair}_first"]) - _net(s.programs[pair])
+            grads_made.add(s.index)
     rows: list[np.ndarray] = [base.copy()[None, :]]
     op_index: list[np.ndarray] = [np.array([-1])]
     action_of: list[int] = [-1]
-    grads_made: set[int] = set()
-    actions = schedule.compute(rank)
     frees = _send_frees(stages, schedule, rank)
     curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # program -> (bytes at its rows from its start, net)
     for k, act in enumerate(actions):
@@ -590,10 +603,7 @@ def replay_rank(
             prog = p[act.kind if act.stage in grads_made else f"{act.kind}_first"]
             grads_made.add(act.stage)
         if id(prog) not in curves:
-            curves[id(prog)] = (
-                prog.head + np.cumsum(prog.delta, axis=0) + extras[prog.ops],
-                prog.head + prog.delta.sum(axis=0) + prog.tail,
-            )
+            curves[id(prog)] = (prog.head + np.cumsum(prog.delta, axis=0) + extras[prog.ops], _net(prog))
         curve, net = curves[id(prog)]
         if len(prog.ops):
             rows.append(base + curve)
