@@ -25,6 +25,7 @@ from planner.simulation.layout import is_tensor_parallel, layout_timeline, simul
 from planner.simulation.pipeline import PipelineTimeline, simulate_pipeline
 from planner.simulation.ranks import LayoutTimeline
 from planner.simulation.step import Timeline, simulate
+from planner.solver.baselines import check_strategy, strategy_choices
 from planner.solver.pipeline_plans import choices_of, evaluate_pipeline, solve_pipeline, stage_plans, uniform_choices
 from planner.solver.planning import compare_strategies, solve
 from planner.tracing.graph import OpGraph
@@ -71,22 +72,42 @@ def plan_for_config(plan: Plan | PlanLadder | str | Path | None, seq_len: int) -
     return plan
 
 
-def simulate_model(spec: str, config: TrainConfig, plan: Plan | PlanLadder | str | None = None) -> Timeline:
-    """Trace a spec at the config's shapes and simulate one step (under a plan, if given)."""
+def _check_strategy(plan, strategy: str) -> None:
+    check_strategy(strategy)
+    if strategy == "optimal":
+        raise MemplanError(
+            "a simulation takes a fixed --strategy (full, selective, every-N, ...); solve with memplan plan"
+        )
+    if plan is not None and strategy != "none":
+        raise MemplanError("simulate under a plan file or a --strategy, not both")
+
+
+def simulate_model(
+    spec: str, config: TrainConfig, plan: Plan | PlanLadder | str | None = None, strategy: str = "none"
+) -> Timeline:
+    """Trace a spec at the config's shapes and simulate one step (under a plan, or a fixed recompute
+    `strategy` of planner.solver.baselines, if given)."""
+    _check_strategy(plan, strategy)
     chosen = plan_for_config(plan, config.seq_len)
-    graph = trace_for(spec, config, lifetimes=chosen is not None)
-    timeline = simulate(graph, config, plan=chosen)
+    graph = trace_for(spec, config, lifetimes=chosen is not None or strategy != "none")
+    timeline = simulate(graph, config, plan=chosen, choices=strategy_choices(graph, strategy))
     timeline.config["model"] = spec
     return timeline
 
 
 def simulate_layout(
-    spec: str, config: TrainConfig, plan: Plan | PlanLadder | str | None = None
+    spec: str, config: TrainConfig, plan: Plan | PlanLadder | str | None = None, strategy: str = "none"
 ) -> LayoutTimeline | PipelineTimeline:
     """Every rank of a parallel layout: a pipeline (``config.pp > 1``, with FSDP2 on dp) or tensor
-    parallel (TP, TP × FSDP2), one trace and timeline per distinct role."""
+    parallel (TP, TP × FSDP2), one trace and timeline per distinct role (under a plan, or a fixed
+    recompute `strategy`, if given)."""
+    _check_strategy(plan, strategy)
     if config.pp > 1:
-        return simulate_pipeline_model(spec, config, plan)
+        return simulate_pipeline_model(spec, config, plan, strategy)
+    if strategy != "none":
+        keys, graphs = trace_roles(spec, config)
+        choices = {key: strategy_choices(graph, strategy) for key, graph in graphs.items()}
+        return layout_timeline(spec, config, keys, graphs, choices=choices)
     return simulate_ranks(spec, config, plan_for_config(plan, config.seq_len))
 
 
@@ -137,12 +158,16 @@ def _stage_plans_for(plan, config: TrainConfig) -> StagePlans:
     return loaded
 
 
-def simulate_pipeline_model(spec: str, config: TrainConfig, plan: StagePlans | str | None = None) -> PipelineTimeline:
+def simulate_pipeline_model(
+    spec: str, config: TrainConfig, plan: StagePlans | str | None = None, strategy: str = "none"
+) -> PipelineTimeline:
     """Trace a spec once at one microbatch's batch and simulate every pipeline rank under the schedule
-    (each stage under its plan, with stage plans from memplan plan --pp)."""
+    (each stage under its plan, with stage plans from memplan plan --pp, or every stage under a
+    fixed recompute `strategy`)."""
+    _check_strategy(plan, strategy)
     stage_plans = _stage_plans_for(plan, config) if plan is not None else None
     graph = _pipeline_graph(spec, config)
-    choices = choices_of(graph, stage_plans) if stage_plans is not None else ()
+    choices = choices_of(graph, stage_plans) if stage_plans is not None else strategy_choices(graph, strategy)
     if stage_plans is not None:
         config = config.with_(pp_split=",".join(str(len(s.blocks)) for s in stage_plans.stages))
     result = simulate_pipeline(graph, config, choices)
@@ -385,20 +410,25 @@ def check_plan_for_spec(spec: str, config: TrainConfig, plan_path: str) -> str:
     return "\n".join(lines)
 
 
-def _simulate_dict(args: tuple[str, TrainConfig, str | None]) -> dict:
-    spec, config, plan = args
+def _simulate_dict(args: tuple[str, TrainConfig, str | None, str]) -> dict:
+    spec, config, plan, strategy = args
     torch.set_num_threads(1)
     if config.pp > 1:
-        return simulate_pipeline_model(spec, config, plan).to_dict()
-    return simulate_model(spec, config, plan).to_dict()
+        return simulate_pipeline_model(spec, config, plan, strategy).to_dict()
+    return simulate_model(spec, config, plan, strategy).to_dict()
 
 
 def simulate_sweep(
-    spec: str, configs: list[TrainConfig], plan: str | None = None, workers: int | None = None
+    spec: str,
+    configs: list[TrainConfig],
+    plan: str | None = None,
+    workers: int | None = None,
+    strategy: str = "none",
 ) -> list[dict]:
     """Simulate several configs (a sequence-length sweep), tracing them in parallel processes."""
+    _check_strategy(plan, strategy)
     workers = min(len(configs), workers or os.cpu_count() or 1)
-    jobs = [(spec, c, plan) for c in configs]
+    jobs = [(spec, c, plan, strategy) for c in configs]
     if workers <= 1 or len(configs) <= 1:
         return [_simulate_dict(j) for j in jobs]
     resolve_spec(spec)  # fail fast, in this process, on an unknown spec

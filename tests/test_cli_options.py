@@ -114,3 +114,22 @@ def test_seq_len_defaults_to_the_models_position_limit(tmp_path, capsys):
 def test_seq_len_over_the_models_position_limit_is_one_line(capsys):
     code, _, err = run(["simulate", "--model", "gpt2-tiny", "--seq-len", "256"], capsys)
     assert_user_error(code, err, "simulate", "exceeds the model's 128 positions", "--seq-len 128")
+
+
+def test_simulate_strategy_is_the_plan_of_that_strategy(tmp_path, capsys):
+    """simulate --strategy full gives the peak of simulate --plan with plan --strategy full's file."""
+    base = ["--model", "gpt2-tiny", "--batch-size", "2", "--seq-len", "32"]
+    plan_path, a, b = tmp_path / "full.json", tmp_path / "a.json", tmp_path / "b.json"
+    code, _, err = run(["plan", *base, "--strategy", "full", "--budget", "100%", "--out", str(plan_path)], capsys)
+    assert code == 0, err
+    for argv, out in ((["--plan", str(plan_path)], a), (["--strategy", "full"], b)):
+        code, _, err = run(["simulate", *base, *argv, "--json", str(out)], capsys)
+        assert code == 0, err
+    assert json.loads(a.read_text())["peak_bytes"] == json.loads(b.read_text())["peak_bytes"]
+    for argv, needle in (
+        (["--strategy", "optimal"], "memplan plan"),
+        (["--strategy", "full", "--plan", str(plan_path)], "not both"),
+        (["--strategy", "bogus"], "unknown strategy"),
+    ):
+        code, _, err = run(["simulate", *base, *argv], capsys)
+        assert_user_error(code, err, "simulate", needle)

@@ -20,6 +20,12 @@ def register(add) -> None:
     p = add("simulate", "simulate one training step's memory", run, EXAMPLE)
     add_model_options(p)
     p.add_argument("--plan", help="simulate under this plan file")
+    p.add_argument(
+        "--strategy",
+        default="none",
+        help="simulate under a fixed recompute rule instead of a plan: full, selective (Megatron's), every-N, "
+        "sqrt, op-sac, op-sac-alt (memplan plan's names)",
+    )
     p.add_argument("--plot", help="write the memory curve (or the sweep) as PNG")
 
 
@@ -32,16 +38,17 @@ def run(args) -> None:
         if config.tp > 1 or config.pp > 1:  # every rank of the layout; the worst one's timeline at the top level
             from planner.api import simulate_layout
 
-            result = simulate_layout(args.model, config, args.plan).to_dict()
+            result = simulate_layout(args.model, config, args.plan, args.strategy).to_dict()
         else:
-            result = simulate_model(args.model, config, args.plan).to_dict()
+            result = simulate_model(args.model, config, args.plan, args.strategy).to_dict()
         print(report.timeline_table(result, capacity))
         write_json(args.json_path, result)
         if args.plot:
             report.plot_timeline(result, args.plot, capacity)
             print(f"wrote {args.plot}")
         return
-    results = simulate_sweep(args.model, [config_from_args(args, s) for s in args.seq_len], args.plan)
+    configs = [config_from_args(args, s) for s in args.seq_len]
+    results = simulate_sweep(args.model, configs, args.plan, strategy=args.strategy)
     fitting = [s for s, r in zip(args.seq_len, results) if r["peak_bytes"] <= capacity]
     rows = [
         [

@@ -9,8 +9,11 @@ then checkpointing, then ``fully_shard`` per block and root).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from planner.config import TrainConfig
 from planner.errors import MemplanError
+from planner.simulation.effects import SpanChoice
 from planner.simulation.ranks import LayoutTimeline, RankRole, group_roles
 from planner.simulation.step import simulate
 from planner.tracing.graph import OpGraph
@@ -47,12 +50,18 @@ def trace_roles(spec: str, config: TrainConfig, lifetimes: bool = True) -> tuple
 
 
 def layout_timeline(
-    spec: str, config: TrainConfig, keys: list[tuple], graphs: dict[tuple, OpGraph], plan=None
+    spec: str,
+    config: TrainConfig,
+    keys: list[tuple],
+    graphs: dict[tuple, OpGraph],
+    plan=None,
+    choices: Mapping[tuple, Sequence[SpanChoice]] | None = None,
 ) -> LayoutTimeline:
-    """Each role's graph simulated (under a plan, if given), every global rank listed with its role."""
+    """Each role's graph simulated (under a plan, or that role's span `choices`, if given), every
+    global rank listed with its role."""
     timelines = {}
     for key, graph in graphs.items():
-        timeline = simulate(graph, config, plan=plan)
+        timeline = simulate(graph, config, plan=plan, choices=(choices or {}).get(key, ()))
         timeline.config["model"] = spec
         timelines[key] = timeline
     roles = []
