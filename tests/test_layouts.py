@@ -30,9 +30,11 @@ def search():
 
 def _config_of(x) -> TrainConfig:
     """The layout as memplan's flags give it."""
-    c = CONFIG.with_(tp=x.tp, dp=x.dp, zero_stage=3, optimizer=x.optimizer, cpu_offload=x.offload)
+    c = CONFIG.with_(
+        tp=x.tp, dp=x.dp, zero_stage=3, optimizer=x.optimizer, cpu_offload=x.offload, grad_accum_steps=x.accumulation
+    )
     if x.pp == 1:
-        return c.with_(grad_accum_steps=x.accumulation)
+        return c
     return c.with_(
         pp=x.pp,
         pp_schedule=x.schedule,
@@ -63,6 +65,20 @@ def test_layout_peaks_are_what_simulate_says_for_the_same_flags(search):
         checked += 1
     assert checked >= 2
     assert {x.pp for x in search.layouts} >= {1, 2} and {x.tp for x in search.layouts} >= {1, 2}
+
+
+def test_recipe_check_line_simulates_the_layout(search, tmp_path, capsys):
+    """The recipe's `memplan simulate` line (its flags, --strategy included) gives the layout's peak."""
+    picked = {}
+    for x in search.layouts:  # one pipeline and one data-parallel layout per recompute level
+        picked.setdefault((x.recompute, x.pp > 1, x.tp > 1), x)
+    assert {r for r, _, _ in picked} >= {"none", "full"}
+    for x in picked.values():
+        out = tmp_path / "rank.json"
+        argv = ["simulate", "--model", SPEC, "--seq-len", "64", "--gpu", "h100-80gb", *x.flags().split()]
+        code, _, err = run([*argv, "--json", str(out)], capsys)
+        assert code == 0, err
+        assert json.loads(out.read_text())["peak_bytes"] == x.peak_bytes, x.flags()
 
 
 def test_pareto_front_trades_gpus_for_time(search):
@@ -137,7 +153,9 @@ def test_cli_json_and_recipe(tmp_path, capsys):
         assert all(k in row for k in REQUIRED)
     rec = payload["recommended"]
     assert rec["fits"] and 0 < rec["mfu"] < 1
-    assert payload["recipe"]["memplan"].startswith(f"memplan simulate --model {SPEC} --seq-len 64")
+    assert payload["recipe"]["memplan"].startswith(
+        f"memplan {'plan' if rec['recompute'] == 'plan' else 'simulate'} --model {SPEC} --seq-len 64"
+    )
 
 
 def test_cli_what_binds(tmp_path, capsys):

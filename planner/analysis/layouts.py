@@ -4,7 +4,8 @@ per-rank memory and a step time that knows where ranks wait.
 
 Every layout keeps the job's global batch (sequences per optimizer step) and micro-batch size:
 ``dp`` replicas each run ``global_batch / (dp · micro_batch)`` microbatches, through the pipeline
-when ``pp > 1``, as gradient-accumulation steps otherwise. One tensor-parallel rank is traced per
+when ``pp > 1`` (several pipeline steps with gradient accumulation where one step does not take
+them all), as gradient-accumulation steps otherwise; a layout's peak is its heaviest step's. One tensor-parallel rank is traced per
 degree (the first rank; a long stack of blocks traces through a shallow copy, tracing/depth.py),
 whatever the GPU count; every layout is a simulation of that graph: planner.simulation.step with
 FSDP2 over ``dp`` for ``pp = 1``, planner.simulation.pipeline with the schedule's own action list
@@ -113,10 +114,14 @@ class Layout:
             out.append(f"--grad-accum {self.accumulation}")
         if self.dp > 1 or self.offload:
             out.append(f"--dp {self.dp} --zero 3")
+            if self.pp > 1:  # as config_for: a stage stays gathered across its microbatches
+                out.append("--reshard-after-forward false")
         if self.offload:
             out.append("--cpu-offload")
         if self.optimizer != "adamw":
             out.append(f"--optimizer {self.optimizer}")
+        if self.recompute in ("full", "selective"):  # a plan is a file: launch_recipe makes it
+            out.append(f"--strategy {self.recompute}")
         return " ".join(out)
 
     def to_dict(self) -> dict:
@@ -223,9 +228,11 @@ class _Search:
         optimizer: str,
         offload: bool,
     ) -> TrainConfig:
-        c = self.base.with_(tp=tp, dp=dp, zero_stage=3, optimizer=optimizer, cpu_offload=offload)
+        c = self.base.with_(
+            tp=tp, dp=dp, zero_stage=3, optimizer=optimizer, cpu_offload=offload, grad_accum_steps=accumulation
+        )
         if pp == 1:
-            return c.with_(grad_accum_steps=accumulation)
+            return c
         return c.with_(
             pp=pp,
             pp_schedule=schedule,
@@ -564,6 +571,17 @@ _TORCHTITAN_AC = {
 }
 
 
+def _check_line(layout: Layout, spec: str, config: TrainConfig) -> str:
+    """The memplan command that simulates every rank of the layout (making its plan first, if it has one)."""
+    job = (
+        f"--model {spec} --seq-len {layout.seq_len} --precision {config.precision} --gpu {config.gpu} {layout.flags()}"
+    )
+    if layout.recompute != "plan":
+        return f"memplan simulate {job}"
+    plan = f"memplan plan {job} --budget {layout.budget_bytes}B --out layout_plan.json"
+    return f"{plan} && memplan simulate {job} --plan layout_plan.json"
+
+
 def launch_recipe(layout: Layout, spec: str, gpus_per_node: int, config: TrainConfig) -> dict:
     """How to launch a layout: torchrun, memplan's flags, and a torchtitan TOML fragment."""
     nodes = math.ceil(layout.gpus / gpus_per_node)
@@ -601,9 +619,6 @@ def launch_recipe(layout: Layout, spec: str, gpus_per_node: int, config: TrainCo
         ]
     return {
         "torchrun": f"torchrun --nnodes {nodes} --nproc-per-node {per_node}{rdzv} train.py",
-        "memplan": (
-            f"memplan simulate --model {spec} --seq-len {layout.seq_len} --precision {config.precision} "
-            f"--gpu {config.gpu} {layout.flags()}"
-        ),
+        "memplan": _check_line(layout, spec, config),
         "torchtitan_toml": "\n".join(toml),
     }
