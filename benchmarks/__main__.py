@@ -27,6 +27,8 @@ TABLES = {
 }
 TABLES["adaptive"] = "adaptive"  # growing sequence: adaptive plan vs a fixed one (benchmarks/adaptive.py)
 TABLES["set_budget"] = "set_budget"  # re-planning latency, 4/32/80 blocks (benchmarks/set_budget.py)
+TABLES["layouts"] = "layouts"  # whole-layout search (benchmarks/layouts.py)
+TABLES["hot_path"] = "hot_path"  # simulate/plan wall time, folded vs full trace (benchmarks/hot_path.py)
 
 
 def main(argv: list[str] | None = None) -> int:

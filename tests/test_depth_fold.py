@@ -20,9 +20,9 @@ from planner.tracing.specs import ModelSpec
 
 
 def _unfolded(monkeypatch, make):
-    """What `make()` traces with folding off."""
+    """What `make()` traces with folding off (MEMPLAN_FULL_TRACE=1)."""
     with monkeypatch.context() as m:
-        m.setattr(recorder, "repeated_run", lambda *a, **k: None)
+        m.setenv(recorder.FULL_TRACE_ENV, "1")
         return make()
 
 

@@ -11,6 +11,7 @@ Two passes over the same fake model, nothing allocated for real:
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -37,6 +38,7 @@ from planner.tracing.graph import OpGraph, OpNode, Region, TensorInfo
 from planner.tracing.specs import ModelSpec, resolve_spec
 
 __all__ = [
+    "FULL_TRACE_ENV",
     "TraceError",
     "cast_parameters",
     "forward_context",
@@ -46,6 +48,8 @@ __all__ = [
     "trace_for",
     "trace_model",
 ]
+
+FULL_TRACE_ENV = "MEMPLAN_FULL_TRACE"  # "1": trace every block (no depth folding), to check a fold or time one
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -180,8 +184,10 @@ def trace_model(
     `lifetimes=False` skips the second forward (natural lifetimes): enough to simulate without a
     plan, not to plan. `blocks` (globs over module paths) names the checkpointable blocks; by
     default they are found by structure. With `fold`, a long run of identical blocks is traced
-    through a shallow copy of the model and extended to full depth, checked (tracing/depth.py).
+    through a shallow copy of the model and extended to full depth, checked (tracing/depth.py);
+    the environment variable MEMPLAN_FULL_TRACE=1 turns folding off everywhere (every block traced).
     """
+    fold = fold and os.environ.get(FULL_TRACE_ENV) != "1"
 
     def once() -> OpGraph:
         for p in model.parameters():  # a trace's backward leaves gradients; the next starts without
