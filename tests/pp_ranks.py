@@ -138,7 +138,16 @@ def measure_case(rank: int, builder: str, config, counts: list[int], steps: int,
     model.train()
     v = config.num_stages_per_rank
     num_stages = config.pp * v
-    stage_ids = list(stages_of_rank(rank, config.pp, v, config.pp_schedule))
+    sharded = config.zero_stage >= 3 and config.dp > 1
+    pp_rank, group, tracker_cls = rank, None, LiveBytesTracker
+    if sharded:  # mesh [pp, dp] as torchtitan: FSDP2 per block of each stage, then the stage
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from planner.runtime.shard import ShardedBytesTracker, fsdp_kwargs
+
+        mesh = init_device_mesh("cpu", (config.pp, config.dp), mesh_dim_names=("pp", "dp"))
+        pp_rank, group, tracker_cls = rank // config.dp, mesh["pp"].get_group(), ShardedBytesTracker
+    stage_ids = list(stages_of_rank(pp_rank, config.pp, v, config.pp_schedule))
     modules = _stage_modules(builder, model, counts, stage_ids)
     if plans is not None:
         from planner.plans.format import load_plan
@@ -147,7 +156,15 @@ def measure_case(rank: int, builder: str, config, counts: list[int], steps: int,
         loaded = load_plan(plans)
         for m, s in zip(modules, stage_ids):
             apply_plan(m, loaded, stage=s)
-    stages = [PipelineStage(m, s, num_stages, torch.device("cpu")) for m, s in zip(modules, stage_ids)]
+    if sharded:
+        from torch.distributed.fsdp import fully_shard
+
+        kwargs = {**fsdp_kwargs(config), "mesh": mesh["dp"]}
+        for m in modules:
+            for layer in m.layers.values():
+                fully_shard(layer, **kwargs)
+            fully_shard(m, **kwargs)
+    stages = [PipelineStage(m, s, num_stages, torch.device("cpu"), group=group) for m, s in zip(modules, stage_ids)]
     loss_fn = _hf_loss(model.config.vocab_size) if builder == "hf_llama" else lm_loss
     cls = getattr(schedules, PP_SCHEDULES[config.pp_schedule])
     multi = not issubclass(cls, schedules.PipelineScheduleSingle)
@@ -161,7 +178,7 @@ def measure_case(rank: int, builder: str, config, counts: list[int], steps: int,
     for step in range(steps + 1):  # step 0 warms up: shape inference, receive buffers, optimizer states
         for s in stages:
             s.clear_runtime_states()
-        tracker = LiveBytesTracker()
+        tracker = tracker_cls()
         tracker.track_all(
             [
                 params,
@@ -184,9 +201,9 @@ def measure_case(rank: int, builder: str, config, counts: list[int], steps: int,
     return min(peaks)
 
 
-def _worker(rank: int, init_file: str, cases: list, queue) -> None:
+def _worker(rank: int, init_file: str, cases: list, queue, world_size: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         for key, builder, config, counts, steps, *plans in cases:
             queue.put((key, rank, measure_case(rank, builder, config, counts, steps, *plans)))
@@ -195,22 +212,25 @@ def _worker(rank: int, init_file: str, cases: list, queue) -> None:
         dist.destroy_process_group()
 
 
-def run_on_ranks(cases: list, workdir: str, timeout_s: float = 240.0) -> dict[str, list[int]]:
-    """key -> measured peak bytes per pp rank; each case is (key, builder, TrainConfig, blocks per
-    stage, measured steps). A run that outlives `timeout_s` (a gloo hang) is killed and fails."""
+def run_on_ranks(
+    cases: list, workdir: str, timeout_s: float = 240.0, world_size: int = WORLD_SIZE
+) -> dict[str, list[int]]:
+    """key -> measured peak bytes per global rank; each case is (key, builder, TrainConfig, blocks
+    per stage, measured steps), all on `world_size` ranks (pp x dp). A run that outlives
+    `timeout_s` (a gloo hang) is killed and fails."""
     import time
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init_file = os.path.join(workdir, "gloo-init")
-    procs = [ctx.Process(target=_worker, args=(r, init_file, cases, queue)) for r in range(WORLD_SIZE)]
+    procs = [ctx.Process(target=_worker, args=(r, init_file, cases, queue, world_size)) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[str, list[int]] = {}
     received = 0
     deadline = time.monotonic() + timeout_s
     try:
-        while received < len(cases) * WORLD_SIZE:
+        while received < len(cases) * world_size:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"pipeline ranks did not finish within {timeout_s:.0f} s (gloo hang?)")
             try:
@@ -220,7 +240,7 @@ def run_on_ranks(cases: list, workdir: str, timeout_s: float = 240.0) -> dict[st
                 assert not failed, f"a rank process failed with exit code {failed[0]}"
                 continue
             received += 1
-            results.setdefault(key, [0] * WORLD_SIZE)[rank] = peak
+            results.setdefault(key, [0] * world_size)[rank] = peak
         for p in procs:
             p.join(timeout=60)
             assert p.exitcode == 0, f"rank process exited with {p.exitcode}"

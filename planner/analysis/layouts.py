@@ -186,6 +186,7 @@ class _Search:
         self.flops_per_sequence = 0.0
         self.lightest_states: tuple[int, str] | None = None  # the lightest pruned layout's states per GPU
         self.allow_offload, self.allow_8bit = True, True
+        self.choices: dict[tuple[int, str], tuple] = {}  # (tp, recompute level) -> its span choices
 
     def pruned(self, graph: OpGraph, gpus: int, tp: int, pp: int, dp: int, optimizer: str) -> bool:
         """Whether the model states alone of this layout exceed the budget (recorded for what binds)."""
@@ -260,7 +261,9 @@ class _Search:
         dp = gpus // (tp * pp)
         accumulation = self.global_batch // (dp * self.base.batch_size * microbatches)
         config = self.config_for(tp, pp, dp, schedule, v, microbatches, accumulation, optimizer, offload)
-        choices = () if recompute == "none" else strategy_choices(graph, recompute)
+        if (tp, recompute) not in self.choices:
+            self.choices[(tp, recompute)] = () if recompute == "none" else tuple(strategy_choices(graph, recompute))
+        choices = self.choices[(tp, recompute)]
         if recompute != "none" and not choices:
             return None  # the model has no blocks to recompute
         try:

@@ -37,9 +37,9 @@ from dataclasses import asdict, dataclass
 from costmodels.memory import get_precision
 from planner.config import TrainConfig
 from planner.simulation.memo import memo
-from planner.tracing.graph import OpGraph
+from planner.tracing.graph import OpGraph, TensorInfo
 
-__all__ = ["FsdpUnit", "fsdp_buffers", "fsdp_itemsizes", "fsdp_units"]
+__all__ = ["FsdpUnit", "fsdp_buffers", "fsdp_itemsizes", "fsdp_units", "padded_bytes", "param_itemsize"]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
@@ -70,8 +70,18 @@ def padded_bytes(shape: tuple[int, ...], itemsize: int, dp: int) -> int:
     return math.ceil(shape[0] / dp) * dp * math.prod(shape[1:]) * itemsize
 
 
+def param_itemsize(t: TensorInfo) -> int:
+    """Bytes per element of a traced parameter."""
+    return _DTYPE_BYTES.get(t.dtype, t.nbytes // max(1, math.prod(t.shape)))
+
+
 def fsdp_units(graph: OpGraph, dp: int) -> list[FsdpUnit]:
-    """The blocks in forward order, then the root; a parameter belongs to the first block that reads it."""
+    """The blocks in forward order, then the root; a parameter belongs to the first block that reads it
+    (kept while the graph lives; read-only)."""
+    return memo("fsdp_units", graph, dp, lambda: _fsdp_units(graph, dp))
+
+
+def _fsdp_units(graph: OpGraph, dp: int) -> list[FsdpUnit]:
     params = {t.id: t for t in graph.preexisting() if t.category == "parameter"}
     blocks = sorted(graph.regions, key=lambda r: r.fwd_start)
     owner: dict[int, int] = {}
@@ -82,8 +92,7 @@ def fsdp_units(graph: OpGraph, dp: int) -> list[FsdpUnit]:
                     owner.setdefault(tid, k)
     sizes = [0] * (len(blocks) + 1)
     for tid, t in params.items():
-        itemsize = _DTYPE_BYTES.get(t.dtype, t.nbytes // max(1, math.prod(t.shape)))
-        sizes[owner.get(tid, len(blocks))] += padded_bytes(t.shape, itemsize, dp)
+        sizes[owner.get(tid, len(blocks))] += padded_bytes(t.shape, param_itemsize(t), dp)
     units = [FsdpUnit(r.path, sizes[k], r.fwd_start, r.fwd_end, r.bwd_start, r.bwd_end) for k, r in enumerate(blocks)]
     units.append(FsdpUnit("", sizes[-1], 0, graph.backward_start, graph.backward_start, len(graph.ops)))
     return units

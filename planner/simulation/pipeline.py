@@ -18,7 +18,7 @@ from planner.simulation.costs import op_times
 from planner.simulation.effects import SpanChoice
 from planner.simulation.pipeline_schedule import PipelineSchedule, pipeline_schedule
 from planner.simulation.pipeline_split import blocks_per_stage, cut_stages
-from planner.simulation.pipeline_step import fsdp_extras, replay_rank, stage_effects, stage_programs
+from planner.simulation.pipeline_step import replay_rank, stage_effects, stage_programs
 from planner.simulation.pipeline_time import PipelineTime, pipeline_time, stage_times
 from planner.simulation.ranks import LayoutTimeline, RankRole, group_roles
 from planner.tracing.graph import OpGraph
@@ -82,7 +82,6 @@ def _evaluate(
     config: TrainConfig,
     schedule: PipelineSchedule,
     counts: tuple[int, ...],
-    extras,
     choices: Sequence[SpanChoice] = (),
 ):
     cuts = cut_stages(graph, counts)
@@ -95,18 +94,18 @@ def _evaluate(
             extra[e.stage] += e.effect.recompute_s
         per_stage = {**per_stage, "B": tuple(b + x for b, x in zip(per_stage["B"], extra))}
     timing = pipeline_time(schedule, per_stage)
-    replays = [replay_rank(graph, config, stages, schedule, r, timing.step_s, extras) for r in range(schedule.pp)]
+    replays = [replay_rank(graph, config, stages, schedule, r, timing.step_s) for r in range(schedule.pp)]
     return cuts, timing, replays
 
 
-def _auto_split(graph: OpGraph, config: TrainConfig, schedule: PipelineSchedule, extras) -> tuple[int, ...]:
+def _auto_split(graph: OpGraph, config: TrainConfig, schedule: PipelineSchedule) -> tuple[int, ...]:
     """Move blocks one at a time off the worst rank's stages to another stage while the worst peak
     falls (ties: the shorter step), from the uniform split."""
     counts = blocks_per_stage(len(graph.regions), schedule.num_stages)
 
     def score(c: tuple[int, ...]) -> tuple[tuple[int, float], int]:
         """((worst peak, step time), worst pp rank) of a split."""
-        _, timing, replays = _evaluate(graph, config, schedule, c, extras)
+        _, timing, replays = _evaluate(graph, config, schedule, c)
         peaks = [t.peak_bytes for t, _ in replays]
         return (max(peaks), timing.step_s), peaks.index(max(peaks))
 
@@ -153,12 +152,11 @@ def simulate_pipeline(graph: OpGraph, config: TrainConfig, choices: Sequence[Spa
             f"plans per stage cover schedules without a split backward for now, not {config.pp_schedule}; "
             "simulate it without --plan"
         )
-    extras = fsdp_extras(graph, config)
     if config.pp_split.strip() == "auto":
-        counts = _auto_split(graph, config, schedule, extras)
+        counts = _auto_split(graph, config, schedule)
     else:
         counts = blocks_per_stage(len(graph.regions), schedule.num_stages, config.pp_split)
-    cuts, timing, replays = _evaluate(graph, config, schedule, counts, extras, choices)
+    cuts, timing, replays = _evaluate(graph, config, schedule, counts, choices)
     groups = group_roles(config, lambda c: c.pp)
     roles = tuple(
         RankRole(

@@ -39,20 +39,21 @@ from costmodels.memory import get_precision, model_state_bytes
 from costmodels.runtime import checkpoint_host_s
 from planner.config import TrainConfig
 from planner.errors import MemplanError
-from planner.simulation.costs import StepCosts, category_scale, op_times, storage_bytes
+from planner.simulation.costs import StepCosts, op_times, storage_bytes
 from planner.simulation.effects import FREE, REPLAY, SAMPLE, ChoiceEffect, SpanChoice, choice_effect
-from planner.simulation.fsdp import fsdp_buffers
 from planner.simulation.memo import memo
+from planner.simulation.pipeline_fsdp import StageFsdp, StageFsdpState, stage_fsdp, unshard_plan
 from planner.simulation.pipeline_schedule import PipelineAction, PipelineSchedule
 from planner.simulation.pipeline_split import StageCut, op_stages, weight_gradient_ops
 from planner.simulation.step import Timeline
 from planner.tracing.graph import CATEGORIES, OpGraph
 
-__all__ = ["StageMemory", "StageEffect", "fsdp_extras", "stage_effects", "replay_rows", "stage_programs", "replay_rank"]
+__all__ = ["StageMemory", "StageEffect", "stage_effects", "replay_rows", "stage_programs", "replay_rank"]
 
 _CAT = {c: i for i, c in enumerate(CATEGORIES)}
 _NC = len(CATEGORIES)
 HEAD, TAIL = -1, -2  # rows before the first sampled op and after the last
+REDUCE_GRAD = "REDUCE_GRAD (FSDP2's reduce-scatter)"  # the row before the optimizer step's
 
 
 @dataclass
@@ -123,9 +124,15 @@ class StageMemory:
     optimizer_bytes: int
     optimizer_step_temporary: int
     param_shapes: tuple[tuple[int, ...], ...]
+    fsdp: StageFsdp | None = None  # FSDP2's units and gradients on this stage (--zero 3 --dp > 1)
 
 
 def _readers(graph: OpGraph) -> dict[int, list[int]]:
+    """Storage -> the ops that read it (kept while the graph lives)."""
+    return memo("readers", graph, (), lambda: _make_readers(graph))
+
+
+def _make_readers(graph: OpGraph) -> dict[int, list[int]]:
     out: dict[int, list[int]] = defaultdict(list)
     for op in graph.ops:
         for tid in op.inputs:
@@ -170,9 +177,15 @@ class _Context:
 
 def _sizing(config: TrainConfig) -> TrainConfig:
     """The part of a config that a stage's storages and programs depend on: not the schedule, the
-    number of microbatches or the replica's batch (the trace is at one microbatch)."""
+    number of microbatches, the accumulation steps or the replica's batch (the trace is at one microbatch)."""
     return config.with_(
-        pp=1, pp_schedule="1f1b", pp_split="uniform", microbatches=None, stages_per_rank=None, batch_size=1
+        pp=1,
+        pp_schedule="1f1b",
+        pp_split="uniform",
+        microbatches=None,
+        stages_per_rank=None,
+        batch_size=1,
+        grad_accum_steps=1,
     )
 
 
@@ -290,7 +303,14 @@ def stage_programs(
     out = []
     precision = get_precision(config.precision)
     foreach = get_device(config.gpu).is_cuda
+    sharded = config.zero_stage >= 3 and config.dp > 1
+    sizes = _context(graph, config, cuts).sizes if sharded else {}
     for c in cuts:
+        fsdp = (
+            memo("stage_fsdp", graph, (_sizing(config), c), lambda c=c: stage_fsdp(graph, config, c, sizes))
+            if sharded
+            else None
+        )
         shapes = placed.param_shapes[c.index]
         states = model_state_bytes(shapes, precision, config.optimizer, config.zero_stage, config.dp, foreach=foreach)
         out.append(
@@ -304,6 +324,7 @@ def stage_programs(
                 optimizer_bytes=0 if config.cpu_offload else states.optimizer,
                 optimizer_step_temporary=0 if config.cpu_offload else states.optimizer_step_temporary,
                 param_shapes=shapes,
+                fsdp=fsdp,
             )
         )
     return out
@@ -511,27 +532,6 @@ def _phase_names(graph: OpGraph) -> np.ndarray:
     return graph.derived["phase_names"]
 
 
-def fsdp_extras(graph: OpGraph, config: TrainConfig) -> np.ndarray:
-    """(ops, categories) FSDP2 buffers at each op (zeros without ZeRO-3 on dp > 1); computed once
-    per graph and sharding (read-only)."""
-    key = (
-        "fsdp_extras",
-        config.with_(
-            pp=1, pp_schedule="1f1b", pp_split="uniform", microbatches=None, stages_per_rank=None, batch_size=1
-        ),
-    )
-    if key in graph.derived:
-        return graph.derived[key]
-    out = np.zeros((len(graph.ops), _NC), dtype=np.int64)
-    if config.zero_stage >= 3 and config.dp > 1:
-        for op, extra in fsdp_buffers(graph, config, category_scale(graph, config)["gradient"]).items():
-            for cat, nbytes in extra.items():
-                out[op, _CAT[cat]] += nbytes
-    out.flags.writeable = False
-    graph.derived[key] = out
-    return out
-
-
 def _send_frees(stages: list[StageMemory], schedule: PipelineSchedule, rank: int) -> dict[int, np.ndarray]:
     """Action index -> bytes freed after it: each sent tensor once its stage is done with it (an
     output after its last backward action, a gradient after the one that made it) and the
@@ -564,6 +564,31 @@ def _send_frees(stages: list[StageMemory], schedule: PipelineSchedule, rank: int
     return dict(out)
 
 
+def _reduce_peak(states: list[StageFsdpState]) -> np.ndarray:
+    """The highest instant of the stages' REDUCE_GRAD, beyond the sharded gradients: each block (the
+    last first, the root last) reduce-scattered through an input buffer in the reduce dtype, its
+    unsharded gradients and gathered parameters freed after it."""
+    out = np.zeros(_NC, dtype=np.int64)
+    held = [list(state.held_bytes()) for state in states]
+    for i, state in enumerate(states):
+        f = state.fsdp
+        units = [*range(len(f.block_bytes) - 1, -1, -1), len(f.block_bytes)]  # blocks backward, then the root
+        for u in units:
+            param, grad = sum(h[0] for h in held), sum(h[1] for h in held)
+            if param + grad + f.reduce_input_bytes[u] > out.sum():
+                out[:] = 0
+                out[_CAT["parameter"]], out[_CAT["gradient"]] = param, grad + f.reduce_input_bytes[u]
+            held[i][0] -= f.block_bytes[u] if u < len(f.block_bytes) else f.root_bytes
+            held[i][1] -= f.unit_gradient_bytes[u]
+    return out
+
+
+def _end_name(at: int, reducing: bool, num_ops: int) -> str:
+    if reducing:
+        return REDUCE_GRAD
+    return "optimizer.step" if at >= num_ops else "step start"
+
+
 def _net(prog: _Program) -> np.ndarray:
     """Bytes a program leaves allocated when it ends."""
     return prog.head + prog.delta.sum(axis=0) + prog.tail
@@ -576,11 +601,11 @@ def replay_rank(
     schedule: PipelineSchedule,
     rank: int,
     step_s: float,
-    extras: np.ndarray | None = None,
 ) -> tuple[Timeline, PipelineAction]:
-    """One pipeline rank's timeline over the step, and the action it peaks in."""
-    extras = fsdp_extras(graph, config) if extras is None else extras
+    """One pipeline rank's timeline over the step, and the action it peaks in; FSDP2's buffers from
+    each stage's `fsdp` (planner.simulation.pipeline_fsdp), the gradients' reduce-scatter last."""
     own = [stages[s] for s in schedule.stages(rank)]
+    fsdp = {s.index: StageFsdpState(s.fsdp) for s in own if s.fsdp is not None}
     base = sum((s.persistent for s in own), np.zeros(_NC, dtype=np.int64)).copy()
     base[_CAT["optimizer"]] += sum(s.optimizer_bytes for s in own)
     grads_made: set[int] = set()
@@ -595,7 +620,14 @@ def replay_rank(
     action_of: list[int] = [-1]
     frees = _send_frees(stages, schedule, rank)
     curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # program -> (bytes at its rows from its start, net)
+    runtime = unshard_plan([a.stage for a in actions]) if fsdp and len(own) > 1 else None
     for k, act in enumerate(actions):
+        if runtime is not None:  # the multi-stage runtime's RESHARD / UNSHARD before this action
+            evict, fetch = runtime[k]
+            for s in evict:
+                fsdp[s].reshard()
+            for s in fetch:
+                fsdp[s].unshard()
         p = stages[act.stage].programs
         if act.kind in ("F", "I"):
             prog = p[act.kind]
@@ -603,13 +635,22 @@ def replay_rank(
             prog = p[act.kind if act.stage in grads_made else f"{act.kind}_first"]
             grads_made.add(act.stage)
         if id(prog) not in curves:
-            curves[id(prog)] = (prog.head + np.cumsum(prog.delta, axis=0) + extras[prog.ops], _net(prog))
+            curves[id(prog)] = (prog.head + np.cumsum(prog.delta, axis=0), _net(prog))
         curve, net = curves[id(prog)]
         if len(prog.ops):
-            rows.append(base + curve)
+            live = base + curve
+            if act.stage in fsdp:
+                others = [held for s, state in fsdp.items() if s != act.stage for held in [state.held_bytes()]]
+                param, grad = fsdp[act.stage].extras(act.kind, prog.ops)
+                live[:, _CAT["parameter"]] += param + sum(h[0] for h in others)
+                live[:, _CAT["gradient"]] += grad + sum(h[1] for h in others)
+            rows.append(live)
             op_index.append(prog.ops)
             action_of.extend([k] * len(prog.ops))
         base = base + net - frees.get(k, 0)
+    rows.append((base + _reduce_peak(list(fsdp.values())))[None, :])  # REDUCE_GRAD (the step's end without FSDP2)
+    op_index.append(np.array([len(graph.ops) - 1]))
+    action_of.append(len(actions) - 1)
     temp = np.zeros(_NC, dtype=np.int64)
     temp[_CAT["temporary"]] = sum(s.optimizer_step_temporary for s in own)
     rows.append((base + temp)[None, :])
@@ -620,7 +661,7 @@ def replay_rank(
     total = by_category.sum(axis=1)
     k = int(np.argmax(total))
     at = int(ops_idx[k])
-    op = graph.ops[at] if 0 <= at < len(graph.ops) else None
+    op = graph.ops[at] if 0 <= at < len(graph.ops) and k != len(total) - 2 else None
     phases = tuple(_phase_names(graph)[np.clip(ops_idx + 1, 0, len(graph.ops) + 1)].tolist())
     states = model_state_bytes(
         [sh for s in own for sh in s.param_shapes],
@@ -633,7 +674,7 @@ def replay_rank(
     timeline = Timeline(
         peak_bytes=int(total[k]),
         peak_phase=phases[k],
-        peak_op=op.name if op is not None else ("optimizer.step" if at >= 0 else "step start"),
+        peak_op=op.name if op is not None else _end_name(at, k == len(total) - 2, len(graph.ops)),
         peak_module=op.module if op is not None else "",
         breakdown_at_peak={c: int(v) for c, v in zip(CATEGORIES, by_category[k])},
         model_states={"parameter": states.parameter, "gradient": states.gradient, "optimizer": states.optimizer},

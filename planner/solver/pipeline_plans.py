@@ -38,7 +38,6 @@ from planner.simulation.pipeline_schedule import PipelineSchedule, pipeline_sche
 from planner.simulation.pipeline_split import StageCut, cut_stages
 from planner.simulation.pipeline_step import (
     StageMemory,
-    fsdp_extras,
     replay_rank,
     replay_rows,
     stage_effects,
@@ -159,6 +158,7 @@ def _diff(with_: list[StageMemory], without: list[StageMemory]) -> list[StageMem
             optimizer_bytes=0,
             optimizer_step_temporary=0,
             param_shapes=(),
+            fsdp=None,  # FSDP2's buffers do not depend on the choice: the base replay has them
         )
         for a, b in zip(with_, without)
     ]
@@ -240,15 +240,13 @@ def solve_pipeline(
         effects.append([None if o.choice is None else stage_effects(graph, config, cuts, [o.choice])[0] for o in opts])
     rows = replay_rows([e for row in effects for e in row if e is not None])
     base_stages = stage_programs(graph, config, cuts, rows=rows)
-    extras = fsdp_extras(graph, config)
-    zero_extras = np.zeros_like(extras)
     step_without = baseline.time.step_s
     stage_of_block = [int(next(c.index for c in cuts if c.fwd_start <= s.fwd_start < c.fwd_end)) for s in spans]
     ranks: list[RankPlan] = []
     for r in range(schedule.pp):
         t0 = time.perf_counter()
         own = set(schedule.stages(r))
-        base = replay_rank(graph, config, base_stages, schedule, r, step_without, extras)[0].total
+        base = replay_rank(graph, config, base_stages, schedule, r, step_without)[0].total
         blocks = [b for b, s in enumerate(stage_of_block) if s in own]
         deltas, costs = [], []
         for b in blocks:
@@ -260,7 +258,7 @@ def solve_pipeline(
                     continue
                 with_ = stage_programs(graph, config, cuts, [e], only=e.moved, rows=rows)
                 without = stage_programs(graph, config, cuts, only=e.moved, rows=rows)
-                d = replay_rank(graph, config, _diff(with_, without), schedule, r, 0.0, zero_extras)[0].total
+                d = replay_rank(graph, config, _diff(with_, without), schedule, r, 0.0)[0].total
                 row_d.append(d)
                 row_c.append(e.effect.recompute_s * schedule.microbatches)
             if all(d is None for d in row_d):
