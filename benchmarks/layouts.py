@@ -329,6 +329,19 @@ def _tps(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}"
 
 
+def _cells(x: dict) -> list[str]:
+    """label, needs, step, tok/s/GPU, tok/s job, MFU, peak of a layout row."""
+    return [
+        x["label"],
+        x["needs"],
+        f"{x['step_s']:.1f} s",
+        _tps(x["tokens_per_s_per_gpu"]),
+        _tps(x["tokens_per_s_job"]),
+        pct(x["mfu"]),
+        gb(x["peak_bytes"]),
+    ]
+
+
 def show(rows: list[dict]) -> None:
     searches = [r for r in rows if r["table"] == "search"]
     if searches:
@@ -376,45 +389,14 @@ def show(rows: list[dict]) -> None:
         print_table(
             "layouts: Pareto front (fewest GPUs against the shortest step; global batch about 4M tokens)",
             ["model", "GPUs", "layout", "needs", "step", "tok/s/GPU", "tok/s job", "MFU", "peak"],
-            [
-                [
-                    r["model"],
-                    r["gpus"],
-                    r["label"],
-                    r["needs"],
-                    f"{r['step_s']:.1f} s",
-                    _tps(r["tokens_per_s_per_gpu"]),
-                    _tps(r["tokens_per_s_job"]),
-                    pct(r["mfu"]),
-                    gb(r["peak_bytes"]),
-                ]
-                for r in pareto
-            ],
+            [[r["model"], r["gpus"], *_cells(r)] for r in pareto],
         )
     claim = [r for r in rows if r["table"] == "claim"]
     if claim:
         print_table(
             f"layouts: {CLAIM_MODEL} on 8 vs 16 H100s (the fastest layout that fits on exactly that many)",
             ["GPUs", "layout", "needs", "step", "tok/s/GPU", "tok/s job", "MFU", "peak"],
-            [
-                [
-                    r["target_gpus"],
-                    *(
-                        [
-                            x["label"],
-                            x["needs"],
-                            f"{x['step_s']:.1f} s",
-                            _tps(x["tokens_per_s_per_gpu"]),
-                            _tps(x["tokens_per_s_job"]),
-                            pct(x["mfu"]),
-                            gb(x["peak_bytes"]),
-                        ]
-                        if (x := r["layout"])
-                        else ["no layout fits", "-", "-", "-", "-", "-", "-"]
-                    ),
-                ]
-                for r in claim
-            ],
+            [[r["target_gpus"], *(_cells(x) if (x := r["layout"]) else ["no layout fits", *["-"] * 6])] for r in claim],
         )
     published = [r for r in rows if r["table"] == "published"]
     if published:

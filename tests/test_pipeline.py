@@ -19,11 +19,11 @@ from planner.tracing.recorder import trace
 MULTI = ("interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble")
 
 
-def _config(schedule: str, pp: int = 2, microbatches: int = 4, **kw) -> TrainConfig:
+def _config(schedule: str, pp: int = 2, microbatches: int = 4, seq_len: int = 32, **kw) -> TrainConfig:
     v = 2 if schedule in MULTI else None
     return TrainConfig(
         batch_size=microbatches,
-        seq_len=32,
+        seq_len=seq_len,
         pp=pp,
         pp_schedule=schedule,
         microbatches=microbatches,
@@ -200,14 +200,7 @@ def test_pipeline_peaks_match_gloo_ranks(tmp_path, builder):
     cases, predicted = [], {}
     graph = trace(f"{P.PATH}:{builder}", batch_size=batch // m, seq_len=seq)
     for schedule in PP_SCHEDULES:
-        config = TrainConfig(
-            batch_size=batch,
-            seq_len=seq,
-            pp=2,
-            pp_schedule=schedule,
-            microbatches=m,
-            stages_per_rank=2 if schedule in MULTI else None,
-        )
+        config = _config(schedule, microbatches=m, seq_len=seq)
         stages = 2 * config.num_stages_per_rank
         cases.append(P.case(schedule, builder, config, [4 // stages] * stages))
         predicted[schedule] = [r.peak_bytes for r in simulate_pipeline(graph, config).layout.roles]
@@ -258,17 +251,7 @@ def test_fsdp2_stages_match_gloo_ranks(tmp_path):
     cases, predicted = [], {}
     for schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
         for raf in (False, True):
-            config = TrainConfig(
-                batch_size=batch,
-                seq_len=seq,
-                pp=2,
-                pp_schedule=schedule,
-                microbatches=m,
-                stages_per_rank=2 if schedule in MULTI else None,
-                dp=2,
-                zero_stage=3,
-                reshard_after_forward=raf,
-            )
+            config = _config(schedule, microbatches=m, seq_len=seq, dp=2, zero_stage=3, reshard_after_forward=raf)
             key = f"{schedule}-{raf}"
             stages = 2 * config.num_stages_per_rank
             cases.append(P.case(key, "titan_llama", config, [4 // stages] * stages))
