@@ -47,15 +47,14 @@ def unshard_plan(stages: list[int]) -> list[tuple[list[int], list[int]]]:
     """Per compute action of a multi-stage rank (`stages`: each action's stage), the stages its
     runtime reshards and then unshards before it: the next ACTIVE_STAGES distinct stages ahead
     are kept gathered (torch.distributed.pipelining.schedules._add_unshard_reshard)."""
+    aheads: list[list[int]] = [[] for _ in stages]  # the next distinct stages from each action on
+    following: list[int] = []
+    for i in range(len(stages) - 1, -1, -1):
+        following = [stages[i], *(s for s in following if s != stages[i])][:ACTIVE_STAGES]
+        aheads[i] = following
     active: list[int] = []
     out = []
-    for i in range(len(stages)):
-        ahead: list[int] = []
-        for s in stages[i:]:
-            if s not in ahead:
-                ahead.append(s)
-                if len(ahead) == ACTIVE_STAGES:
-                    break
+    for ahead in aheads:
         evict = [s for s in active if s not in ahead]
         fetch = [s for s in ahead if s not in active]
         active = [s for s in active if s in ahead] + fetch
