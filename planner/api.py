@@ -19,15 +19,12 @@ from planner.errors import InfeasibleBudget, MemplanError, PlanFileError
 from planner.plans.format import CompiledPlan, Plan, PlanLadder, StagePlans, load_plan
 from planner.plans.identity import check_plan_matches
 from planner.runtime.apply import apply_plan
-from planner.runtime.parallel_verify import measure_on_gloo_ranks
 from planner.runtime.verify import Measurement, measure_step
 from planner.simulation.layout import is_tensor_parallel, layout_timeline, simulate_ranks, trace_roles
 from planner.simulation.pipeline import PipelineTimeline, simulate_pipeline
 from planner.simulation.ranks import LayoutTimeline
 from planner.simulation.step import Timeline, simulate
 from planner.solver.baselines import check_strategy, strategy_choices
-from planner.solver.pipeline_plans import choices_of, evaluate_pipeline, solve_pipeline, stage_plans, uniform_choices
-from planner.solver.planning import compare_strategies, solve
 from planner.tracing.graph import OpGraph
 from planner.tracing.hf import disable_kv_cache
 from planner.tracing.parallel.rank_trace import trace_tp_rank
@@ -167,6 +164,8 @@ def simulate_pipeline_model(
     _check_strategy(plan, strategy)
     stage_plans = _stage_plans_for(plan, config) if plan is not None else None
     graph = _pipeline_graph(spec, config)
+    from planner.solver.pipeline_plans import choices_of  # CP-SAT's stack only where a plan is read
+
     choices = choices_of(graph, stage_plans) if stage_plans is not None else strategy_choices(graph, strategy)
     if stage_plans is not None:
         config = config.with_(pp_split=",".join(str(len(s.blocks)) for s in stage_plans.stages))
@@ -191,6 +190,8 @@ def plan_pipeline_model(
     graph = _pipeline_graph(spec, config)
     if isinstance(budget_bytes, str):
         budget_bytes = parse_budget(budget_bytes, simulate_pipeline(graph, config).peak_bytes)
+    from planner.solver.pipeline_plans import evaluate_pipeline, solve_pipeline, stage_plans, uniform_choices
+
     result = solve_pipeline(graph, config, budget_bytes, keep=keep, recompute=recompute, time_limit_s=time_limit_s)
     plans = stage_plans(graph, config, result)
     uniform = evaluate_pipeline(graph, config, uniform_choices(graph, config, result), result.cuts)
@@ -279,6 +280,8 @@ def verify_layout(
     layout = simulate_layout(spec, config, loaded)
     by_rank = {r: role.peak_bytes for role in layout.roles for r in role.ranks}
     predicted = [by_rank[r] for r in range(config.world_size)]
+    from planner.runtime.parallel_verify import measure_on_gloo_ranks  # torch.distributed's stack
+
     measured = measure_on_gloo_ranks(spec, config, loaded.to_dict() if loaded is not None else None, timeout_s)
     errors = [(p - m) / m for p, m in zip(predicted, measured)]
     return LayoutVerifyResult(spec, predicted, measured, errors, config.to_dict(), str(plan) if plan else None)
@@ -310,6 +313,8 @@ def plan_model(
         budget_bytes = parse_budget(budget_bytes, simulate(graph, config).peak_bytes)
     if not graph.regions:
         _check_without_blocks(graph, config, budget_bytes)
+    from planner.solver.planning import solve
+
     plan = solve(
         graph,
         config,
@@ -322,6 +327,8 @@ def plan_model(
     )
     if roles:
         _check_every_rank(spec, config, roles, plan, budget_bytes)
+    from planner.solver.planning import compare_strategies
+
     rows = compare_strategies(graph, config, budget_bytes)
     return plan, rows, plan.predicted.baseline_peak_bytes
 

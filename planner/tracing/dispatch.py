@@ -11,11 +11,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+import memplan_compat
 from costmodels.flops import op_bytes_accessed, op_flops
-from memplan_compat import ModTracker, ShardingPropagator, TorchDispatchMode, tree_leaves
+from memplan_compat import ModTracker, TorchDispatchMode, tree_leaves
 from planner.errors import TraceError
+from planner.tracing.dtensor import dtensor_type
 from planner.tracing.graph import OpNode
 
 __all__ = ["OpRecorder", "as_int", "local_tensor"]
@@ -30,7 +31,8 @@ def as_int(value: Any, what: str) -> int:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: a DTensor's local shard, else the tensor itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    dtensor = dtensor_type()
+    return t._local_tensor if dtensor is not None and isinstance(t, dtensor) else t
 
 
 # ATen's mse_loss / smooth_l1_loss / huber_loss compute the unreduced loss and reduce it into the
@@ -64,8 +66,9 @@ class _HiddenPropagation:
 
     @classmethod
     def enter(cls) -> None:
-        if cls.depth == 0:
-            cls._original = original = ShardingPropagator._propagate_tensor_meta_non_cached
+        if cls.depth == 0 and dtensor_type() is not None:
+            propagator = memplan_compat.ShardingPropagator
+            cls._original = original = propagator._propagate_tensor_meta_non_cached
 
             def propagate(self, op_schema):
                 cls.running += 1
@@ -74,14 +77,15 @@ class _HiddenPropagation:
                 finally:
                     cls.running -= 1
 
-            ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+            propagator._propagate_tensor_meta_non_cached = propagate
         cls.depth += 1
 
     @classmethod
     def exit(cls) -> None:
         cls.depth -= 1
-        if cls.depth == 0:
-            ShardingPropagator._propagate_tensor_meta_non_cached = cls._original
+        if cls.depth == 0 and cls._original is not None:
+            memplan_compat.ShardingPropagator._propagate_tensor_meta_non_cached = cls._original
+            cls._original = None
 
 
 @functools.cache
@@ -194,7 +198,8 @@ class OpRecorder(TorchDispatchMode):
 
     # -- dispatch -----------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if DTensor in types:  # let DTensor desugar into the local ops this rank runs, then record those
+        dtensor = dtensor_type()
+        if dtensor is not None and dtensor in types:  # DTensor desugars into the local ops this rank runs; record those
             return NotImplemented
         if _HiddenPropagation.running:
             return func(*args, **(kwargs or {}))

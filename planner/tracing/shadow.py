@@ -20,12 +20,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memplan_compat import FakeTensor, FakeTensorMode, TorchDispatchMode, tree_leaves, tree_map
 from memplan_compat import disable_current_modes as _disable_current_modes
 from planner.errors import TraceError
+from planner.tracing.dtensor import dtensor_type
 
 __all__ = ["ShadowMode", "source_line"]
 
@@ -132,7 +132,8 @@ class ShadowMode(TorchDispatchMode):
             return func(*args, **kwargs)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if DTensor in types:  # shadow the local ops a DTensor op desugars into
+        dtensor = dtensor_type()
+        if dtensor is not None and dtensor in types:  # shadow the local ops a DTensor op desugars into
             return NotImplemented
         kwargs = kwargs or {}
         if not _special(func) and any(  # the common case: an op on model data, nothing to shadow
