@@ -192,3 +192,20 @@ def test_torchtitan_recipe_runs_the_layouts_batches(search):
         assert toml["training"]["global_batch_size"] // (local * dp) == x.accumulation
         if x.pp > 1:
             assert local // toml["parallelism"]["pipeline_parallel_microbatch_size"] == x.microbatches
+
+
+@pytest.mark.parametrize(
+    ("pinned", "needle"),
+    [
+        (["--tp", "3"], "powers of two"),
+        (["--pp", "64"], "two blocks a stage"),
+        (["--tp", "16", "--gpus-per-node", "8"], "tensor parallel stays in a node"),
+        (["--pp", "2", "--microbatches", "4"], "chooses --microbatches"),
+        (["--layouts", "--gpus", "8"], "--gpus"),
+    ],
+)
+def test_cli_pins_it_cannot_search_are_one_line(capsys, pinned, needle):
+    from cli_helpers import assert_user_error
+
+    code, _, err = run(["fit", "--model", SPEC, "--seq-len", "64", "--gpu", "h100-80gb", *pinned], capsys)
+    assert_user_error(code, err, "fit", needle)

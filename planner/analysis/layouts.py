@@ -483,6 +483,7 @@ def search_layouts(
     search.allow_offload, search.allow_8bit = allow_offload, allow_8bit
     if search.graph(1) is None:
         raise MemplanError(f"memplan cannot trace {spec}: {search.skipped[1]}")
+    _check_pinned(config, per_node, len(search.graphs[1].regions))
     layouts: list[Layout] = []
     first_fit: int | None = None
     counts = _powers_of_two(max_gpus)
@@ -515,6 +516,22 @@ def search_layouts(
         recipe=None if recommended is None else launch_recipe(recommended, spec, per_node, config),
         recommended_plan=plan,
     )
+
+
+def _check_pinned(config: TrainConfig, gpus_per_node: int, blocks: int) -> None:
+    """A pinned --tp / --pp the search can reach, or one line that says why not."""
+    for flag, degree in (("--tp", config.tp), ("--pp", config.pp)):
+        if degree > 1 and degree & (degree - 1):
+            raise MemplanError(f"{flag} {degree}: the layout search tries powers of two; pin {flag} 2, 4, 8, ...")
+    if config.tp > gpus_per_node:
+        raise MemplanError(
+            f"--tp {config.tp} exceeds the {gpus_per_node} GPUs of a node of {config.gpu}: tensor parallel stays "
+            "in a node; lower --tp or give --gpus-per-node"
+        )
+    if config.pp > 1 and blocks < 2 * config.pp:
+        raise MemplanError(
+            f"--pp {config.pp} needs at least two blocks a stage and the model has {blocks} blocks; lower --pp"
+        )
 
 
 def _with_plan(search: _Search, layout: Layout, time_limit_s: float) -> tuple[Layout, dict | None]:
