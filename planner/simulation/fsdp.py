@@ -39,7 +39,7 @@ from planner.config import TrainConfig
 from planner.simulation.memo import memo
 from planner.tracing.graph import OpGraph, TensorInfo
 
-__all__ = ["FsdpUnit", "fsdp_buffers", "fsdp_itemsizes", "fsdp_units", "padded_bytes", "param_itemsize"]
+__all__ = ["FsdpUnit", "fsdp_buffers", "fsdp_itemsizes", "fsdp_units", "padded_bytes", "param_itemsize", "param_owners"]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
@@ -81,15 +81,27 @@ def fsdp_units(graph: OpGraph, dp: int) -> list[FsdpUnit]:
     return memo("fsdp_units", graph, dp, lambda: _fsdp_units(graph, dp))
 
 
-def _fsdp_units(graph: OpGraph, dp: int) -> list[FsdpUnit]:
-    params = {t.id: t for t in graph.preexisting() if t.category == "parameter"}
-    blocks = sorted(graph.regions, key=lambda r: r.fwd_start)
+def param_owners(graph: OpGraph) -> dict[int, int]:
+    """Parameter storage -> the block (in forward order) that owns it: the first whose forward reads
+    it; the root's parameters are absent (kept while the graph lives; read-only)."""
+    return memo("param_owners", graph, (), lambda: _param_owners(graph))
+
+
+def _param_owners(graph: OpGraph) -> dict[int, int]:
+    params = {t.id for t in graph.preexisting() if t.category == "parameter"}
     owner: dict[int, int] = {}
-    for k, r in enumerate(blocks):
+    for k, r in enumerate(sorted(graph.regions, key=lambda r: r.fwd_start)):
         for op in graph.ops[r.fwd_start : r.fwd_end]:
             for tid in op.inputs:
                 if tid in params:
                     owner.setdefault(tid, k)
+    return owner
+
+
+def _fsdp_units(graph: OpGraph, dp: int) -> list[FsdpUnit]:
+    params = {t.id: t for t in graph.preexisting() if t.category == "parameter"}
+    blocks = sorted(graph.regions, key=lambda r: r.fwd_start)
+    owner = param_owners(graph)
     sizes = [0] * (len(blocks) + 1)
     for tid, t in params.items():
         sizes[owner.get(tid, len(blocks))] += padded_bytes(t.shape, param_itemsize(t), dp)

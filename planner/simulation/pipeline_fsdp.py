@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.config import TrainConfig
-from planner.simulation.fsdp import FsdpUnit, fsdp_itemsizes, fsdp_units, padded_bytes, param_itemsize
+from planner.simulation.fsdp import fsdp_itemsizes, fsdp_units, padded_bytes, param_itemsize, param_owners
 from planner.simulation.pipeline_split import StageCut
 from planner.tracing.graph import OpGraph
 
@@ -99,7 +99,7 @@ def stage_fsdp(graph: OpGraph, config: TrainConfig, cut: StageCut, sizes: dict[i
         a = t.alloc_op
         if t.category == "gradient" and t.free_op is None and cut.bwd_start <= a < cut.bwd_end:
             grad_at[a - cut.bwd_start] += int(t.nbytes * accumulate) - sizes[t.id]
-    root = _root_bytes(graph, config.dp, cut, units)
+    root = _root_bytes(graph, config.dp, cut)
     return StageFsdp(
         cut=cut,
         block_bytes=tuple(u.param_bytes for u in blocks),
@@ -114,10 +114,10 @@ def stage_fsdp(graph: OpGraph, config: TrainConfig, cut: StageCut, sizes: dict[i
     )
 
 
-def _root_bytes(graph: OpGraph, dp: int, cut: StageCut, units: list[FsdpUnit]) -> int:
+def _root_bytes(graph: OpGraph, dp: int, cut: StageCut) -> int:
     """Gathered bytes of the parameters this stage reads that no block owns (its root's)."""
     params = {t.id: t for t in graph.preexisting() if t.category == "parameter"}
-    owned = {tid for u in units[:-1] for op in graph.ops[u.fwd_start : u.fwd_end] for tid in op.inputs if tid in params}
+    owned = param_owners(graph)
     read = {
         tid
         for lo, hi in ((cut.fwd_start, cut.fwd_end), (cut.bwd_start, cut.bwd_end))
