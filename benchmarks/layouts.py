@@ -130,9 +130,9 @@ NOTES = {
     ),
     "torchtitan-70b": (
         "the toml says it is a preset for 64 A100 GPUs; evaluated here on H100; published TPS/MFU: unverified "
-        "(none published for this recipe); memplan's tensor-parallel plan keeps the head's logits replicated "
-        "(torchtitan shards them, loss parallel, by default), and at a local batch of 8 the fp32 logits are "
-        "8 x 8192 x 128256 x 4 B = 31.3 GiB a tensor on every rank, so the loss backward sets the peak"
+        "(none published for this recipe); the loss runs on vocabulary-sharded logits (loss parallel, torchtitan's "
+        "default and memplan's): at a local batch of 8 each rank's fp32 logits are 8 x 8192 x 16032 x 4 B = 3.9 GiB "
+        "(31.3 GiB with --no-loss-parallel), and the loss backward sets the peak"
     ),
     "torchtitan-405b": (
         "published on 96 GB HBM2e H100s at 500 W with Float8 matmuls, torch.compile and AsyncTP; memplan times bf16 "

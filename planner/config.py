@@ -60,14 +60,16 @@ class TrainConfig:
     # second on, every gradient is live from the start of the forward.
     grad_accum_steps: int = 1
     # Parallel layout, mesh order [pp, dp, cp, tp] as torchtitan. tp: tensor-parallel degree with
-    # sequence parallel on (sequence_parallel) and a sharding plan (tp_plan: "auto" or a
-    # PATH.py:FUNC / package.module:FUNC spec of FUNC(model, tp_mesh)); cp: context-parallel degree;
+    # sequence parallel on (sequence_parallel), the loss computed on vocabulary-sharded logits under
+    # torch's loss_parallel() (loss_parallel, torchtitan's default) and a sharding plan (tp_plan:
+    # "auto" or a PATH.py:FUNC / package.module:FUNC spec of FUNC(model, tp_mesh)); cp: context-parallel degree;
     # ep: expert-parallel degree, borrowed from dp × cp, with ep_plan as tp_plan (FUNC(model, ep_mesh)).
     # pp: pipeline stages on pp ranks under pp_schedule; batch_size is one data-parallel replica's
     # batch, split into microbatches (None: pp); stages_per_rank (None: 2 for V-shaped schedules,
     # else 1); pp_split: "uniform", "auto" or blocks per stage "N1,N2,...".
     tp: int = 1
     sequence_parallel: bool = True
+    loss_parallel: bool = True
     tp_plan: str = "auto"
     cp: int = 1
     ep: int = 1
@@ -132,8 +134,9 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        if not isinstance(self.sequence_parallel, bool):
-            raise ValueError(f"sequence parallel must be true or false, got {self.sequence_parallel!r}")
+        for name in ("sequence_parallel", "loss_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name.replace('_', ' ')} must be true or false, got {getattr(self, name)!r}")
         for name in ("tp_plan", "ep_plan"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
                 raise ValueError(f"--{name.replace('_', '-')} must be auto, PATH.py:FUNC or package.module:FUNC")
@@ -217,6 +220,7 @@ class TrainConfig:
             ("grad_accum_steps", 1),
             ("tp", 1),
             ("sequence_parallel", True),
+            ("loss_parallel", True),
             ("tp_plan", "auto"),
             ("cp", 1),
             ("ep", 1),

@@ -14,6 +14,7 @@ from planner.config import TrainConfig
 from planner.errors import SpecError
 from planner.simulation.layout import simulate_ranks
 from planner.tracing.recorder import trace
+from planner.tracing.specs import resolve_spec
 
 HERE = Path(__file__).parent
 TITAN = f"{HERE / 'tp_models.py'}:titan_small"
@@ -61,6 +62,32 @@ def test_sequence_parallel_gathers_and_scatters_and_no_sp_all_reduces():
     assert (
         simulate_ranks("llama-7b-tiny", _config(tp=2)).peak_bytes
         < simulate_ranks("llama-7b-tiny", _config(tp=2, sequence_parallel=False)).peak_bytes
+    )
+
+
+def _float_logit_shapes(config: TrainConfig, tokens: int) -> set[tuple[int, ...]]:
+    """Shapes of the fp32 (tokens, vocabulary-wide) tensors of the trace: the loss's logits."""
+    from planner.tracing.parallel.rank_trace import trace_tp_rank
+
+    graph, _ = trace_tp_rank("llama-7b-tiny", config, 0, lifetimes=False)
+    return {
+        t.shape
+        for t in graph.tensors.values()
+        if t.dtype == "float32" and t.shape[:1] == (tokens,) and len(t.shape) == 2
+    }
+
+
+def test_loss_parallel_keeps_logits_sharded_and_no_loss_parallel_gathers_them():
+    """torchtitan's default: the head's logits stay sharded over the vocabulary and the log-softmax
+    runs on each rank's shard; --no-loss-parallel gathers the whole vocabulary on every rank."""
+    vocab = resolve_spec("llama-7b-tiny").build(1, 8)[0].lm_head.out_features
+    tokens = 2 * 128
+    assert (tokens, vocab // 2) in _float_logit_shapes(_config(tp=2), tokens)
+    assert (tokens, vocab) not in _float_logit_shapes(_config(tp=2), tokens)
+    assert (tokens, vocab) in _float_logit_shapes(_config(tp=2, loss_parallel=False), tokens)
+    assert (
+        simulate_ranks("llama-7b-tiny", _config(tp=2)).peak_bytes
+        < simulate_ranks("llama-7b-tiny", _config(tp=2, loss_parallel=False)).peak_bytes
     )
 
 
@@ -200,3 +227,16 @@ def test_per_rank_peak_and_plans_match_gloo_ranks(layout, cases):
             assert abs(w - got) <= TOLERANCE * got, (key, rank, w, got)
             assert key not in budgets or got <= budgets[key] * (1 + TOLERANCE), (key, rank, got, budgets[key])
         assert grad_error == 0.0, (key, grad_error)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_gathered_logits_match_gloo_ranks():
+    """--no-loss-parallel (the logits gathered whole on every rank) against gloo ranks, within 1%."""
+    config = _config(tp=2, loss_parallel=False)
+    cases = {"titan": TITAN, "memplan-llama": "llama-7b-tiny"}
+    predicted = {key: _by_rank(simulate_ranks(spec, config)) for key, spec in cases.items()}
+    measured = run_on_ranks([(key, spec, config, None) for key, spec in cases.items()], config.world_size)
+    for key, want in predicted.items():
+        for rank, (w, got) in enumerate(zip(want, measured[key][0])):
+            assert abs(w - got) <= TOLERANCE * got, (key, rank, w, got)

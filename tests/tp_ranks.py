@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from planner import load_plan
 from planner.runtime.parallel_verify import build_parallel_model, measure_parallel_step, run_on_gloo_ranks
+from planner.tracing.parallel.tp_plans import step_context
 from planner.tracing.recorder import loss_of, run_step_inputs
 from planner.tracing.specs import resolve_spec
 
@@ -26,7 +27,8 @@ def _grad_error(spec: str, config, sharded, inputs) -> float:
     ref, _ = resolve_spec(spec).build(batch_size=config.batch_size, seq_len=config.seq_len)
     loss_of(run_step_inputs(ref, inputs)).backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    loss_of(run_step_inputs(sharded, inputs)).backward()
+    with step_context(config):
+        loss_of(run_step_inputs(sharded, inputs)).backward()
     worst = 0.0
     for name, p in sharded.named_parameters():
         got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad

@@ -140,6 +140,12 @@ def add_layout_options(p: argparse.ArgumentParser) -> None:
         "--no-sp", dest="sequence_parallel", action="store_false", help="tensor parallel without sequence parallel"
     )
     g.add_argument(
+        "--no-loss-parallel",
+        dest="loss_parallel",
+        action="store_false",
+        help="tensor parallel with the logits gathered whole for the loss (default: loss on vocabulary shards)",
+    )
+    g.add_argument(
         "--tp-plan",
         default="auto",
         metavar="auto|SPEC",
@@ -200,6 +206,7 @@ def config_from_args(args, seq_len: int | None = None) -> TrainConfig:
         grad_accum_steps=args.grad_accum_steps,
         tp=args.tp,
         sequence_parallel=args.sequence_parallel,
+        loss_parallel=args.loss_parallel,
         tp_plan=args.tp_plan,
         cp=args.cp,
         ep=args.ep,

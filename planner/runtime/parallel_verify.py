@@ -27,7 +27,7 @@ from planner.runtime.shard import ShardedBytesTracker, measure_sharded_step, sha
 from planner.runtime.verify import Measurement
 from planner.tracing.blocks import find_region_paths
 from planner.tracing.hf import disable_kv_cache
-from planner.tracing.parallel.tp_plans import resolve_tp_plan
+from planner.tracing.parallel.tp_plans import tp_plan_for
 from planner.tracing.specs import resolve_spec
 
 __all__ = [
@@ -73,7 +73,7 @@ def build_parallel_model(spec: str, config: TrainConfig, plan=None, seed: int = 
     disable_kv_cache(model)
     units = find_region_paths(model, config.blocks)
     mesh = _mesh(config)
-    resolve_tp_plan(config.tp_plan, config.sequence_parallel)(model, mesh["tp"])
+    tp_plan_for(config)(model, mesh["tp"])
     if plan is not None:
         apply_plan(model, plan)
     if config.dp > 1 and config.zero_stage == 3:

@@ -21,6 +21,7 @@ from planner.config import TrainConfig
 from planner.runtime.tracker import LiveBytesTracker
 from planner.runtime.verify import Measurement, make_optimizer, tracked_step
 from planner.tracing.blocks import is_segment, segment_children
+from planner.tracing.parallel.tp_plans import step_context
 from planner.tracing.recorder import loss_of, run_step_inputs
 
 __all__ = ["ShardedBytesTracker", "fsdp_kwargs", "measure_sharded_step", "shard_model"]
@@ -105,8 +106,10 @@ def measure_sharded_step(
     """
     optimizer = make_optimizer(model.parameters(), config.optimizer)
     model.train()
-    _step(model, inputs, optimizer)
-    runs = [
-        tracked_step(tracker(), model, inputs, optimizer, lambda: _step(model, inputs, optimizer)) for _ in range(steps)
-    ]
+    with step_context(config):
+        _step(model, inputs, optimizer)
+        runs = [
+            tracked_step(tracker(), model, inputs, optimizer, lambda: _step(model, inputs, optimizer))
+            for _ in range(steps)
+        ]
     return min(runs, key=lambda m: m.peak_bytes)

@@ -18,7 +18,7 @@ from planner.simulation.ranks import LayoutTimeline, RankRole, group_roles
 from planner.simulation.step import simulate
 from planner.tracing.graph import OpGraph
 from planner.tracing.parallel.rank_trace import trace_tp_rank
-from planner.tracing.parallel.tp_plans import resolve_tp_plan
+from planner.tracing.parallel.tp_plans import tp_plan_for
 
 __all__ = ["is_tensor_parallel", "layout_timeline", "simulate_ranks", "trace_roles"]
 
@@ -40,7 +40,7 @@ def _check_supported(config: TrainConfig) -> None:
 def trace_roles(spec: str, config: TrainConfig, lifetimes: bool = True) -> tuple[list[tuple], dict[tuple, OpGraph]]:
     """(role key of every TP index, graph of each distinct key): one trace per distinct role."""
     _check_supported(config)
-    tp_plan = resolve_tp_plan(config.tp_plan, config.sequence_parallel)
+    tp_plan = tp_plan_for(config)
     first, keys = trace_tp_rank(spec, config, rank=0, lifetimes=lifetimes, plan=tp_plan)
     graphs = {keys[0]: first}
     for tp_index, key in enumerate(keys):

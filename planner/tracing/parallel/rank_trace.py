@@ -25,7 +25,7 @@ from planner.config import TrainConfig
 from planner.errors import TraceError
 from planner.tracing.fake_build import fake_model
 from planner.tracing.graph import OpGraph
-from planner.tracing.parallel.tp_plans import TpPlan, resolve_tp_plan
+from planner.tracing.parallel.tp_plans import TpPlan, step_context, tp_plan_for
 from planner.tracing.recorder import cast_parameters, trace_model
 from planner.tracing.specs import ModelSpec, resolve_spec
 
@@ -103,7 +103,7 @@ def trace_tp_rank(
 ) -> tuple[OpGraph, list[tuple]]:
     """(graph of global rank `rank` within one pipeline stage, role key of every TP index)."""
     model_spec = resolve_spec(spec) if isinstance(spec, str) else spec
-    plan = plan or resolve_tp_plan(config.tp_plan, config.sequence_parallel)
+    plan = plan or tp_plan_for(config)
     param_dtype, traced_precision = _traced_dtypes(config)
     with fake_process_group(rank, config.dp * config.cp * config.tp):
         mesh = layout_mesh(config)
@@ -112,20 +112,22 @@ def trace_tp_rank(
                 cast_parameters(model, param_dtype)
             plan(model, mesh["tp"])
             keys = tp_role_keys(model, config)
-            graph = trace_model(
-                model,
-                inputs,
-                precision=traced_precision,
-                name=model_spec.name,
-                lifetimes=lifetimes,
-                blocks=config.blocks,
-            )
+            with step_context(config):
+                graph = trace_model(
+                    model,
+                    inputs,
+                    precision=traced_precision,
+                    name=model_spec.name,
+                    lifetimes=lifetimes,
+                    blocks=config.blocks,
+                )
     graph.meta.update(
         precision=config.precision,
         batch_size=config.batch_size,
         seq_len=config.seq_len,
         tp=config.tp,
         sequence_parallel=config.sequence_parallel,
+        loss_parallel=config.loss_parallel,
         tp_plan=config.tp_plan,
         rank=rank,
     )

@@ -4,7 +4,9 @@
   ``base_model_tp_plan``: transformers' own ``apply_tensor_parallelism`` applies it), else
   memplan's for the decoder blocks it recognises, laid out as torchtitan does: embeddings
   rowwise with sequence-sharded output, norms ``SequenceParallel``, q/k/v and w1/w3 colwise, o
-  and w2 rowwise with sequence-sharded output, head colwise with replicated logits. Without
+  and w2 rowwise with sequence-sharded output, head colwise. With loss parallel (torchtitan's
+  default) the logits stay sharded over the vocabulary and the step runs under torch's
+  ``loss_parallel()`` (:func:`step_context`); without it they are gathered whole. Without
   sequence parallel the norms stay replicated and row-parallel outputs are all-reduced.
 - ``PATH.py:FUNC`` / ``package.module:FUNC``: the user's ``FUNC(model, tp_mesh)``.
 
@@ -15,6 +17,7 @@ trace and on the real model of a verification run.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -26,13 +29,15 @@ from torch.distributed.tensor.parallel import (
     ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
+from planner.config import TrainConfig
 from planner.errors import SpecError
 from planner.tracing.specs import resolve_spec
 
-__all__ = ["TpPlan", "resolve_tp_plan", "apply_tp_plan"]
+__all__ = ["TpPlan", "apply_tp_plan", "resolve_tp_plan", "step_context", "tp_plan_for"]
 
 TpPlan = Callable[[nn.Module, DeviceMesh], object]
 
@@ -131,7 +136,7 @@ def check_heads(where: str, counts: dict[str, int], tp: int) -> None:
             )
 
 
-def _memplan_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def _memplan_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     """torchtitan's layout on the recognised blocks (see the module docstring)."""
     tp = tp_mesh.size()
     blocks = decoder_blocks(model)
@@ -146,7 +151,9 @@ def _memplan_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool
         top[norm[0]] = SequenceParallel()
     if (head := _child(model, _HEAD)) is not None and isinstance(head[1], nn.Linear):
         top[head[0]] = ColwiseParallel(
-            input_layouts=seq if sequence_parallel else Replicate(), output_layouts=Replicate()
+            input_layouts=seq if sequence_parallel else Replicate(),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
         )
     for b in blocks:
         plan: dict[str, ParallelStyle] = {}
@@ -189,7 +196,7 @@ def _has_hf_plan(model: nn.Module) -> bool:
     return bool(getattr(config, "base_model_tp_plan", None)) and hasattr(model, "_resolve_parallel_plans")
 
 
-def _auto_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def _auto_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     if _has_hf_plan(model):
         _hf_plan(model, tp_mesh)
         return
@@ -199,7 +206,7 @@ def _auto_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -
             "ships no tensor-parallel plan; pass --tp-plan PATH.py:FUNC with FUNC(model, tp_mesh) calling "
             "parallelize_module"
         )
-    _memplan_plan(model, tp_mesh, sequence_parallel)
+    _memplan_plan(model, tp_mesh, sequence_parallel, loss_parallel)
 
 
 def _user_plan(spec: str, func: Callable, model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -215,10 +222,10 @@ def _user_plan(spec: str, func: Callable, model: nn.Module, tp_mesh: DeviceMesh)
         ) from e
 
 
-def resolve_tp_plan(spec: str, sequence_parallel: bool = True) -> TpPlan:
+def resolve_tp_plan(spec: str, sequence_parallel: bool = True, loss_parallel: bool = False) -> TpPlan:
     """``auto`` or a ``PATH.py:FUNC`` / ``package.module:FUNC`` spec -> plan(model, tp_mesh)."""
     if spec == "auto":
-        return partial(_auto_plan, sequence_parallel=sequence_parallel)
+        return partial(_auto_plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     if ":" not in spec:
         raise SpecError(f"--tp-plan must be auto, PATH.py:FUNC or package.module:FUNC, got '{spec}'")
     func_name = spec.rpartition(":")[2]
@@ -235,3 +242,15 @@ def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: TpPlan) -> nn.Mod
     """Shard `model` in place over `tp_mesh` with `plan`; returns the model."""
     plan(model, tp_mesh)
     return model
+
+
+def tp_plan_for(config: TrainConfig) -> TpPlan:
+    """The tensor-parallel plan a config names (its spec, sequence and loss parallel)."""
+    return resolve_tp_plan(config.tp_plan, config.sequence_parallel, config.loss_parallel)
+
+
+def step_context(config: TrainConfig) -> AbstractContextManager:
+    """What a training step of this layout runs inside: torch's ``loss_parallel()`` when tensor
+    parallel computes the loss on vocabulary-sharded logits (forward and backward), else nothing.
+    A plan that leaves the logits whole is untouched by it (plain tensors never reach its handlers)."""
+    return loss_parallel() if config.tp > 1 and config.loss_parallel else nullcontext()
