@@ -1,14 +1,17 @@
-"""Train under FSDP2 with a memplan plan, and compare each rank's measured peak with memplan's prediction.
+"""Train under FSDP2 (and tensor parallel) with a memplan plan; compare each rank's measured peak with its prediction.
 
     torchrun --standalone --nproc-per-node 2 examples/train_fsdp.py
     torchrun --standalone --nproc-per-node 2 examples/train_fsdp.py --model gpt2-tiny --reshard-after-forward false
+    torchrun --standalone --nproc-per-node 4 examples/train_fsdp.py --tp 2          # dp 2 x tp 2
 
-gloo on CPU, nccl on CUDA. Rank 0 traces the model on fake tensors, simulates the `--zero 3 --dp N`
-step and solves a plan for a budget `--fraction` of the way from model states to the no-plan
-peak (or loads `--plan`); it broadcasts the plan JSON. Every rank then builds the model, applies
-the plan *before* sharding (as torchtitan orders activation checkpointing and FSDP), calls
-``fully_shard`` on each block and then the root, trains a few steps and reports its peak: live
-tensor bytes on CPU, ``torch.cuda.max_memory_allocated`` on CUDA.
+gloo on CPU, nccl on CUDA. Rank 0 traces the model on fake tensors (before the process group
+starts: tensor parallel is traced under a fake one), simulates every rank of the `--zero 3`
+step over `--dp` = ranks / `--tp` and solves a plan for a budget `--fraction` of the way from
+model states to the worst rank's no-plan peak (or loads `--plan`); it broadcasts the plan JSON.
+Every rank then builds the model and composes as torchtitan does: the tensor-parallel plan on the
+``tp`` mesh dimension, then the memplan plan (activation checkpointing), then ``fully_shard`` on
+each block and the root over ``dp``. It trains a few steps (under ``loss_parallel()`` with
+``--tp``) and reports its peak: live tensor bytes on CPU, ``torch.cuda.max_memory_allocated`` on CUDA.
 """
 
 from __future__ import annotations
@@ -18,14 +21,17 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
-from planner import apply_plan, load_plan, resolve_spec, simulate, solve
-from planner.api import trace_for
+from planner import apply_plan, load_plan, resolve_spec
+from planner.api import plan_model, simulate_layout
 from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget
-from planner.runtime.shard import measure_sharded_step, shard_model
+from planner.runtime.parallel_verify import LocalBytesTracker
+from planner.runtime.shard import ShardedBytesTracker, measure_sharded_step, shard_model
 from planner.runtime.verify import make_optimizer
-from planner.simulation.fsdp import fsdp_units
+from planner.tracing.blocks import find_region_paths
+from planner.tracing.parallel.tp_plans import step_context, tp_plan_for
 from planner.tracing.recorder import loss_of, run_step_inputs
 from planner.units import format_bytes
 
@@ -42,34 +48,33 @@ def parse_args() -> argparse.Namespace:
         help="budget: this fraction of the way from model states to the no-plan peak",
     )
     p.add_argument("--plan", help="load this plan instead of solving one")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (sequence and loss parallel on)")
     p.add_argument("--reshard-after-forward", default="true", choices=["true", "false"])
     p.add_argument("--steps", type=int, default=3, help="measured training steps after one warm-up step")
     return p.parse_args()
 
 
 def make_plan(spec: str, config: TrainConfig, fraction: float, plan_path: str | None) -> dict:
-    """Rank 0: the plan as JSON, with the prediction and the FSDP units to shard."""
-    graph = trace_for(spec, config)
-    base = simulate(graph, config)
-    states = sum(base.model_states.values())
+    """Rank 0: the plan as JSON, with the worst rank's no-plan peak and every rank's prediction."""
+    base = simulate_layout(spec, config)
+    states = sum(base.worst.timeline.model_states.values())
     budget = int(states + fraction * (base.peak_bytes - states))
     if plan_path:
         plan = load_plan(plan_path)
     else:
         try:
-            plan = solve(graph, config, budget)
+            plan = plan_model(spec, config, budget)[0]
         except InfeasibleBudget as e:  # FSDP2's own buffers are out of any plan's reach
             print(f"budget {format_bytes(budget)} is below reach; planning for the lowest peak instead")
             budget = e.smallest_peak_bytes
-            plan = solve(graph, config, budget)
-    predicted = simulate(graph, config, plan=plan).peak_bytes
-    units = [u.path for u in fsdp_units(graph, config.dp)[:-1]]
+            plan = plan_model(spec, config, budget)[0]
+    planned = simulate_layout(spec, config, plan)
+    by_rank = {r: role.peak_bytes for role in planned.roles for r in role.ranks}
     return {
         "plan": plan.to_dict(),
         "budget": budget,
         "baseline": base.peak_bytes,
-        "predicted": predicted,
-        "units": units,
+        "predicted": [by_rank[r] for r in range(config.world_size)],
     }
 
 
@@ -79,7 +84,8 @@ def cuda_peak(model, inputs, config: TrainConfig, steps: int) -> int:
     for step in range(steps + 1):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        loss_of(run_step_inputs(model, inputs)).backward()
+        with step_context(config):
+            loss_of(run_step_inputs(model, inputs)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
@@ -90,19 +96,23 @@ def cuda_peak(model, inputs, config: TrainConfig, steps: int) -> int:
 
 def main() -> None:
     args = parse_args()
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world % args.tp:
+        raise SystemExit(f"--tp {args.tp} does not divide the {world} ranks; use a --tp that divides --nproc-per-node")
     config = TrainConfig(
         batch_size=args.batch_size,
         seq_len=args.seq_len,
         zero_stage=3,
-        dp=world,
+        dp=world // args.tp,
+        tp=args.tp,
         reshard_after_forward=args.reshard_after_forward == "true",
     )
+    # Rank 0 plans before the real process group starts: tensor parallel is traced under a fake one.
     payload = [make_plan(args.model, config, args.fraction, args.plan) if rank == 0 else None]
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
     dist.broadcast_object_list(payload, src=0)
     shared = payload[0]
 
@@ -113,25 +123,32 @@ def main() -> None:
         inputs = (
             tuple(t.cuda() for t in inputs) if isinstance(inputs, tuple) else {k: v.cuda() for k, v in inputs.items()}
         )
-    apply_plan(model, load_plan(shared["plan"]))  # before fully_shard, as torchtitan orders AC and FSDP
-    shard_model(model, shared["units"], config)
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (config.dp, config.tp), mesh_dim_names=("dp", "tp"))
+    units = find_region_paths(model)
+    if config.tp > 1:
+        tp_plan_for(config)(model, mesh["tp"])
+    apply_plan(model, load_plan(shared["plan"]))  # after TP, before fully_shard, as torchtitan orders them
+    if config.dp > 1:
+        shard_model(model, units, config, mesh=mesh["dp"])
     if cuda:
         peak = cuda_peak(model, inputs, config, args.steps)
     else:
-        peak = measure_sharded_step(model, inputs, config, steps=args.steps).peak_bytes
+        tracker = LocalBytesTracker if config.tp > 1 else ShardedBytesTracker  # TP: count DTensors' local shards
+        peak = measure_sharded_step(model, inputs, config, steps=args.steps, tracker=tracker).peak_bytes
 
     peaks = [None] * world
     dist.all_gather_object(peaks, peak)
     if rank == 0:
+        layout = f"dp {config.dp} x tp {config.tp}" if config.tp > 1 else "FSDP2"
         print(
-            f"{args.model} FSDP2 on {world} {'GPUs (nccl)' if cuda else 'CPU ranks (gloo)'}: "
-            f"no-plan peak {format_bytes(shared['baseline'])}, budget {format_bytes(shared['budget'])}"
+            f"{args.model} {layout} on {world} {'GPUs (nccl)' if cuda else 'CPU ranks (gloo)'}: "
+            f"worst rank's no-plan peak {format_bytes(shared['baseline'])}, budget {format_bytes(shared['budget'])}"
         )
-        for r, measured in enumerate(peaks):
-            error = (shared["predicted"] - measured) / measured
+        for r, (measured, predicted) in enumerate(zip(peaks, shared["predicted"])):
+            error = (predicted - measured) / measured
             print(
                 f"rank {r}: measured peak {format_bytes(measured)} ({measured} B), predicted "
-                f"{format_bytes(shared['predicted'])} ({error:+.2%})"
+                f"{format_bytes(predicted)} ({predicted} B, {error:+.2%})"
             )
     dist.destroy_process_group()
 

@@ -244,13 +244,18 @@ def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: TpPlan) -> nn.Mod
     return model
 
 
+def _loss_parallel(config: TrainConfig) -> bool:
+    """Whether the step computes its loss on vocabulary-sharded logits."""
+    return config.tp > 1 and config.loss_parallel
+
+
 def tp_plan_for(config: TrainConfig) -> TpPlan:
     """The tensor-parallel plan a config names (its spec, sequence and loss parallel)."""
-    return resolve_tp_plan(config.tp_plan, config.sequence_parallel, config.loss_parallel)
+    return resolve_tp_plan(config.tp_plan, config.sequence_parallel, _loss_parallel(config))
 
 
 def step_context(config: TrainConfig) -> AbstractContextManager:
     """What a training step of this layout runs inside: torch's ``loss_parallel()`` when tensor
     parallel computes the loss on vocabulary-sharded logits (forward and backward), else nothing.
     A plan that leaves the logits whole is untouched by it (plain tensors never reach its handlers)."""
-    return loss_parallel() if config.tp > 1 and config.loss_parallel else nullcontext()
+    return loss_parallel() if _loss_parallel(config) else nullcontext()
