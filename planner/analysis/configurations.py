@@ -150,24 +150,28 @@ class _Evaluator:
         return simulate(self.graph, config, plan=plan)
 
 
-def _counts_to_try(evaluator: _Evaluator, optimizer: str, cpu_offload: bool, plan: bool, max_gpus: int) -> list[int]:
-    """The smallest GPU count that fits (doubling, then bisection), then the powers of two above it, up
-    to `GROWTH_STEPS` of them; only `max_gpus`, to show how far off it is, when none fits."""
-
-    def fits(n: int) -> bool:
-        return evaluator.fits(n, optimizer, cpu_offload, plan)
-
-    if not fits(max_gpus):  # peaks only fall as GPUs are added: none fits
-        return [max_gpus]
+def fewest_gpus(fits: Callable[[int], bool], limit: int) -> int | None:
+    """Smallest GPU count n in 1..limit with fits(n), None when none does; peaks only fall as GPUs
+    are added (monotone), so: `limit` first, then powers of two, then bisection."""
+    if not fits(limit):  # one test settles that none fits
+        return None
     low, high = 0, 1  # low does not fit (0: nothing below), high is the next count to try
-    while high < max_gpus and not fits(high):
-        low, high = high, high * 2
-    high = min(high, max_gpus)
+    while not fits(high):  # ends by `limit` at the latest
+        low, high = high, min(high * 2, limit)
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (low, mid) if fits(mid) else (mid, high)
-    above = 1 << high.bit_length()
-    return [high] + [above << k for k in range(GROWTH_STEPS) if above << k <= max_gpus]
+    return high
+
+
+def _counts_to_try(evaluator: _Evaluator, optimizer: str, cpu_offload: bool, plan: bool, max_gpus: int) -> list[int]:
+    """The smallest GPU count that fits, then the powers of two above it, up to `GROWTH_STEPS` of
+    them; only `max_gpus`, to show how far off it is, when none fits."""
+    fewest = fewest_gpus(lambda n: evaluator.fits(n, optimizer, cpu_offload, plan), max_gpus)
+    if fewest is None:
+        return [max_gpus]
+    above = 1 << fewest.bit_length()
+    return [fewest] + [above << k for k in range(GROWTH_STEPS) if above << k <= max_gpus]
 
 
 def cheapest_configuration(

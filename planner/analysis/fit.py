@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from costmodels.hardware import get_device
-from planner.analysis.configurations import ConfigurationReport, cheapest_configuration
+from planner.analysis.configurations import ConfigurationReport, cheapest_configuration, fewest_gpus
 from planner.budgets import usable_bytes
 from planner.config import DEFAULT_RESERVE, DEFAULT_TIME_LIMIT_S, TrainConfig
 from planner.errors import InfeasibleBudget, SolverTimeout
@@ -130,23 +130,6 @@ class _Checker:
         }
 
 
-def _smallest(ok: Callable[[int], bool], limit: int) -> int | None:
-    """Smallest n in 1..limit with ok(n), assuming monotone: powers of two, then bisection."""
-    if not ok(limit):  # one test settles that none fits
-        return None
-    previous, n = 0, 1
-    while not ok(n):  # ends by `limit` at the latest
-        previous, n = n, min(n * 2, limit)
-    lo, hi = previous, n  # ok(hi), not ok(lo) (lo = 0: nothing below)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if ok(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
-
-
 _STATES = ("parameter", "gradient", "optimizer")
 
 
@@ -224,8 +207,8 @@ def fit(
         )
         without, with_plan = _fewest_gpus(configurations, config)
     else:
-        without = _smallest(lambda n: check.fits(at(n)), max_gpus)
-        with_plan = _smallest(lambda n: check.plan_fits(at(n)), without if without is not None else max_gpus)
+        without = fewest_gpus(lambda n: check.fits(at(n)), max_gpus)
+        with_plan = fewest_gpus(lambda n: check.plan_fits(at(n)), without if without is not None else max_gpus)
     why_without = why_with = None
     if without is None and not check.fits(at(max_gpus)):
         why_without = _binding(check.bare(at(max_gpus)), max_gpus, budget, planned=False)
