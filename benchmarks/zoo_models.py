@@ -116,6 +116,25 @@ def vit(batch_size: int, seq_len: int):
     }
 
 
+def swin(batch_size: int, seq_len: int):
+    """Shifted-window vision transformer; seq_len is the image side (patches of 4, windows of 7)."""
+    import transformers as hf
+
+    config = hf.SwinConfig(
+        image_size=seq_len,
+        patch_size=4,
+        embed_dim=24,
+        depths=[2, 2, 2],
+        num_heads=[2, 4, 8],
+        window_size=7,
+        num_labels=10,
+    )
+    return hf.SwinForImageClassification(config), {
+        "pixel_values": torch.randn(batch_size, 3, seq_len, seq_len),
+        "labels": torch.randint(0, 10, (batch_size,)),
+    }
+
+
 def _mixtral_config():
     import transformers as hf
 

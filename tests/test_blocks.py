@@ -3,6 +3,8 @@ found by structure (or named with --blocks), and a plan at any feasible budget a
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -145,3 +147,52 @@ def test_repeated_stacks_holding_blocks_give_their_blocks():
         "decoder.block0",
         "decoder.block1",
     ]
+
+
+class ListStage(nn.Module):
+    """A Swin-shaped stage: its layers in a ModuleList that its own forward loops over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Layer() for _ in range(2))
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.proj(x)
+
+
+def _list_stages(batch_size: int, seq_len: int):
+    model = nn.Sequential(ListStage(), ListStage())
+    return model, (torch.randn(batch_size, seq_len, WIDTH),)
+
+
+def test_a_module_list_is_never_planned_as_one_module():
+    """A ModuleList runs no forward of its own, so no plan may recompute it as one (applying such a
+    plan did nothing, and the step ran 26% over the budget on a transformers Swin); a plan naming one
+    is refused in one line."""
+    from planner.errors import PlanFileError
+    from planner.plans.format import Decision
+
+    spec = ModelSpec("list-stages", "stages over ModuleLists", _list_stages)
+    graph = trace(spec, batch_size=4, seq_len=32)
+    assert {"0.blocks", "1.blocks"} <= set(graph.meta["containers"])
+    from costmodels.hardware import get_device
+    from planner.simulation.costs import op_times
+    from planner.simulation.effects import module_span
+    from planner.solver.options import block_options
+
+    times = op_times(graph, get_device("cpu"))
+
+    def options(g) -> set[str]:
+        return {o.name for o in block_options(g, module_span(g, "0"), times, None)}
+
+    assert "recompute 0.blocks" not in options(graph)
+    assert "recompute 0.blocks" in options(dataclasses.replace(graph, meta={**graph.meta, "containers": []}))
+    config = TrainConfig(batch_size=4, seq_len=32)
+    plan = solve(graph, config, int(0.8 * simulate(graph, config).peak_bytes))
+    bad = dataclasses.replace(plan, decisions=(Decision("0.blocks", "recompute"),))
+    model, _ = _list_stages(4, 32)
+    with pytest.raises(PlanFileError, match="ModuleList with no forward of its own"):
+        apply_plan(model, bad)

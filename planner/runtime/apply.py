@@ -31,6 +31,7 @@ from torch.utils.checkpoint import (
 )
 
 from memplan_compat import is_fake, tree_leaves
+from planner.errors import PlanFileError
 from planner.plans.decisions import ModulePlan, OpKeys, module_plans
 from planner.plans.format import CompiledPlan, Plan, PlanLadder, StagePlans, load_plan
 from planner.plans.identity import check_plan_matches
@@ -43,7 +44,7 @@ from planner.runtime.offload import (
     storage_ptrs,
     unpack_from_host,
 )
-from planner.tracing.blocks import parse_segment
+from planner.tracing.blocks import parse_segment, runs_forward
 from planner.tracing.hf import disable_kv_cache
 
 if TYPE_CHECKING:
@@ -321,6 +322,11 @@ class PlanHandle:
             self._restore_use_cache = disable_kv_cache(self.model)
 
     def _wrap(self, path: str, module: nn.Module) -> None:
+        if not runs_forward(module):
+            raise PlanFileError(
+                f"module '{path}' is a {type(module).__name__} with no forward of its own (its parent calls its "
+                "children), so it cannot be recomputed or offloaded as one; plan its children or its parent instead"
+            )
         if getattr(module.forward, "_memplan_wrapper", False):
             raise ValueError(
                 f"module '{path}' already has a memplan plan applied; call remove() on its PlanHandle first"

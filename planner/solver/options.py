@@ -111,8 +111,11 @@ def _child_spans(graph: OpGraph, path: str) -> list[ModuleSpan]:
             if op.module.startswith(prefix)
         }
     )
+    containers = set(graph.meta.get("containers", ()))  # a ModuleList's forward is its parent's loop
     spans = []
     for child in children:
+        if prefix + child in containers:
+            continue
         try:
             spans.append(module_span(graph, prefix + child))
         except ValueError:

@@ -23,7 +23,15 @@ from torch import nn
 
 from planner.errors import TraceError
 
-__all__ = ["find_region_paths", "module_signature", "parse_segment", "segment_children", "is_segment"]
+__all__ = [
+    "container_paths",
+    "find_region_paths",
+    "is_segment",
+    "module_signature",
+    "parse_segment",
+    "runs_forward",
+    "segment_children",
+]
 
 _SEGMENT = re.compile(r"^(?:(.*)\.)?(\d+):(\d+)$")
 
@@ -56,6 +64,17 @@ def segment_children(model: nn.Module, path: str) -> list[str]:
 
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def runs_forward(module: nn.Module) -> bool:
+    """Whether the module has a forward of its own (a ModuleList or ModuleDict only holds modules:
+    its parent calls them, so it can be neither wrapped nor recomputed as one)."""
+    return type(module).forward is not nn.Module.forward
+
+
+def container_paths(model: nn.Module) -> list[str]:
+    """Module paths of the model's submodules that have no forward of their own."""
+    return [path for path, m in model.named_modules() if path and not runs_forward(m)]
 
 
 def module_signature(module: nn.Module) -> str:

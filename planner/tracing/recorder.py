@@ -25,6 +25,7 @@ from memplan_compat import tree_leaves
 from planner.config import TrainConfig
 from planner.errors import SpecError, TraceError
 from planner.tracing.blocks import (
+    container_paths,
     find_region_paths,
     is_segment,
     module_signature,
@@ -197,10 +198,12 @@ def trace_model(
     run = repeated_run(model, find_region_paths(model, blocks)) if fold else None
     graph = fold_trace(model, run, once) if run is not None else None
     if graph is None:
-        return once()
-    graph.meta.update(
-        fingerprint=model_fingerprint(model), num_modules=sum(1 for _ in model.modules()), folded=run.length
-    )
+        graph = once()
+    else:
+        graph.meta.update(
+            fingerprint=model_fingerprint(model), num_modules=sum(1 for _ in model.modules()), folded=run.length
+        )
+    graph.meta["containers"] = container_paths(model)  # modules a plan cannot wrap (no forward)
     return graph
 
 
