@@ -186,7 +186,7 @@ SMALL = {  # DeepSeek-V3's MLA head sizes (q/k 192, v 128), everything else smal
     "intermediate_size": 320,
     "moe_intermediate_size": 64,
     "first_k_dense_replace": 1,
-    "num_hidden_layers": 3,
+    "num_hidden_layers": 2,
     "num_attention_heads": 2,
     "num_key_value_heads": 2,
     "n_routed_experts": 8,
