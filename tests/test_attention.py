@@ -19,6 +19,7 @@ from torch import nn
 
 from costmodels.attention import CUDNN, EFFICIENT, FLASH, MATH, NATIVE, SdpaCall, sdpa_kernel
 from costmodels.hardware import get_device
+from planner.runtime.live_trace import LiveTracer
 from planner.tracing import recorder
 from planner.tracing.specs import ModelSpec
 
@@ -242,3 +243,12 @@ def test_full_deepseek_v3_671b_at_seq_4096(tmp_path):
     graph = _deepseek(tmp_path, config, 4096, "h100-80gb")
     assert _square(graph, 4096) == []
     assert _activation_bytes(graph) == deepseek_v3_activation_bytes(config, 1, 4096)
+
+
+def test_live_tracer_of_a_real_model_follows_its_gpu():
+    """auto_checkpoint / plan_for trace a live model for its config's gpu the same way."""
+    model, inputs = _Attention(24, 16, mask=False), (torch.randn(2, 40, 8),)
+    names = {op.name for op in LiveTracer(model, "fp32", gpu="h100-80gb").trace(inputs).ops}
+    assert "aten._scaled_dot_product_efficient_attention.default" in names
+    names = {op.name for op in LiveTracer(model, "fp32").trace(inputs).ops}
+    assert "aten._safe_softmax.default" in names  # the CPU's math fallback for 24/16 head sizes
