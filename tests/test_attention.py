@@ -121,6 +121,34 @@ def test_fp32_masked_attention_on_h100_is_memory_efficient():
     assert all(op.flops > 0 for op in graph.ops if "efficient_attention" in op.name)
 
 
+class _GroupedQuery(nn.Module):
+    """fp32 grouped-query attention (8 query heads, 2 key/value heads) through enable_gqa."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv = nn.Linear(8, 8 * 16, bias=False), nn.Linear(8, 2 * 2 * 16, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 8, 16).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, 2, 16).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum()
+
+
+def test_fp32_grouped_query_on_h100_repeats_heads_for_memory_efficient():
+    spec = ModelSpec(
+        "gqa",
+        "grouped-query attention",
+        lambda batch_size, seq_len: (_GroupedQuery(), (torch.randn(batch_size, seq_len, 8),)),
+    )
+    graph = recorder.trace(spec, batch_size=2, seq_len=48, gpu="h100-80gb")
+    assert any(op.name == "aten._scaled_dot_product_efficient_attention_backward.default" for op in graph.ops)
+    repeated = [t.shape for t in _saved(graph, "aten.clone.default")]  # repeat_interleave's copies
+    assert repeated == [(2, 2, 4, 48, 16)] * 2
+    bf16 = recorder.trace(spec, batch_size=2, seq_len=48, precision="bf16-mixed", gpu="h100-80gb")
+    assert any(op.name == "aten._scaled_dot_product_flash_attention.default" for op in bf16.ops)  # GQA natively
+
+
 def test_cpu_target_trace_unchanged_and_gpu_flash_saves_the_same_bytes():
     """Flash-eligible attention: the H100 trace records the CUDA flash kernel, saving what the CPU
     flash kernel saved (output and logsumexp); a CPU target keeps the CPU kernel."""

@@ -74,6 +74,15 @@ def _pad_to_8(t: torch.Tensor) -> torch.Tensor:
     return t if d % 8 == 0 else F.pad(t, (0, 8 - d % 8))
 
 
+def _repeat_heads(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Grouped-query key/value repeated to the query's heads, as the math path repeats them: the
+    memory-efficient op's backward (its meta kernel) returns key/value grads with the query's
+    heads, so it cannot take fewer; a kernel broadcasting the heads would save less (bounded
+    above here)."""
+    groups = int(q.shape[-3]) // int(t.shape[-3])
+    return t if groups == 1 else t.repeat_interleave(groups, dim=-3)
+
+
 def _autocast(tensors: list[Any]) -> list[Any]:
     """CPU autocast casts SDPA's floating inputs to its dtype (the op runs below autocast here)."""
     if not torch.is_autocast_enabled("cpu"):
@@ -104,6 +113,7 @@ def target_sdpa(device: DeviceSpec, *args: Any, **kwargs: Any) -> torch.Tensor:
     mask = _additive(mask, q.dtype)
     if kernel == EFFICIENT:
         mask = None if mask is None else _efficient_mask(mask, q, k)
+        k, v = _repeat_heads(k, q), _repeat_heads(v, q)
         return aten._scaled_dot_product_efficient_attention(
             q, k, v, mask, needs_lse, dropout_p, is_causal, scale=scale
         )[0]
