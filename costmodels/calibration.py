@@ -306,6 +306,16 @@ def _disk_bytes_per_s(nbytes: int, folder: str | None) -> tuple[float, float]:
     return len(data) / max(write_s, 1e-9), len(data) / max(read_s, 1e-9)
 
 
+def _arch(dev: torch.device) -> str:
+    """The architecture the attention rule reads: "sm90", a ROCm "gfx942", "" on a CPU."""
+    if dev.type != "cuda":
+        return ""
+    props = torch.cuda.get_device_properties(dev)
+    if torch.version.hip:
+        return str(props.gcnArchName).split(":")[0]
+    return f"sm{props.major}{props.minor}"
+
+
 def calibrate(
     sizes: CalibrationSizes = FULL, device: str | None = None, disk_folder: str | None = None, name: str | None = None
 ) -> Calibration:
@@ -366,6 +376,8 @@ def calibrate(
         replay_op_overhead_s=replay_op_s,
         op_flops_per_s=conv,
         op_s_per_element=per_element,
+        arch=_arch(dev),
+        cudnn_version=int(torch.backends.cudnn.version() or 0) if dev.type == "cuda" else 0,
     )
     return Calibration(
         rate["fp32"],

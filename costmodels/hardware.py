@@ -74,6 +74,12 @@ class DeviceSpec:
     # elementwise ones. Measured by `memplan calibrate`; empty in the presets.
     op_flops_per_s: tuple[tuple[str, float], ...] = ()
     op_s_per_element: tuple[tuple[str, float], ...] = ()
+    # What picks the attention kernel (costmodels.attention): the GPU architecture ("sm90" for
+    # compute capability 9.0, "gfx942" on ROCm; "" on a CPU, and on a CUDA device taken as sm80)
+    # and the cuDNN runtime version torch reports (torch.backends.cudnn.version(), e.g. 91002;
+    # 0 where unknown: then cuDNN attention is never preferred).
+    arch: str = ""
+    cudnn_version: int = 0
 
     def __post_init__(self) -> None:
         for name in ("op_flops_per_s", "op_s_per_element"):  # a profile's JSON object or pairs
@@ -111,17 +117,23 @@ DEVICES: dict[str, DeviceSpec] = {
     # host link = memory bandwidth.
     "cpu": DeviceSpec("cpu", _host_memory_bytes(), 2e12, 1e12, 50e9, 50e9, 2e9, False, 10e9, 12.5e9, 1),
     # A100 SXM4 40GB: 312 TFLOP/s bf16, 19.5 TFLOP/s fp32, 1555 GB/s HBM2, PCIe gen4.
-    "a100-40gb": DeviceSpec("a100-40gb", 40 * GiB, 312e12, 19.5e12, 1.555e12, 25e9, 3e9, True, 300e9, 25e9),
+    "a100-40gb": DeviceSpec(
+        "a100-40gb", 40 * GiB, 312e12, 19.5e12, 1.555e12, 25e9, 3e9, True, 300e9, 25e9, arch="sm80"
+    ),
     # A100 SXM4 80GB: 80 GiB HBM2e, 2039 GB/s.
-    "a100-80gb": DeviceSpec("a100-80gb", 80 * GiB, 312e12, 19.5e12, 2.039e12, 25e9, 3e9, True, 300e9, 25e9),
+    "a100-80gb": DeviceSpec(
+        "a100-80gb", 80 * GiB, 312e12, 19.5e12, 2.039e12, 25e9, 3e9, True, 300e9, 25e9, arch="sm80"
+    ),
     # H100 SXM5 80GB: torch reports ~79.2 GiB; 989.4 TFLOP/s bf16 dense, 66.9 fp32, 3.35 TB/s, PCIe gen5.
-    "h100-80gb": DeviceSpec("h100-80gb", 85_031_714_816, 989.4e12, 66.9e12, 3.35e12, 50e9, 3e9, True, 450e9, 50e9),
+    "h100-80gb": DeviceSpec(
+        "h100-80gb", 85_031_714_816, 989.4e12, 66.9e12, 3.35e12, 50e9, 3e9, True, 450e9, 50e9, arch="sm90"
+    ),
     # H200 SXM 141GB HBM3e: ~139.8 GiB usable, same compute as H100, 4.8 TB/s.
-    "h200": DeviceSpec("h200", 150_110_011_392, 989.4e12, 66.9e12, 4.8e12, 50e9, 3e9, True, 450e9, 50e9),
+    "h200": DeviceSpec("h200", 150_110_011_392, 989.4e12, 66.9e12, 4.8e12, 50e9, 3e9, True, 450e9, 50e9, arch="sm90"),
     # L40S 48GB GDDR6 (46068 MiB visible): 362 TFLOP/s bf16 dense, 91.6 fp32, 864 GB/s, PCIe gen4.
-    "l40s": DeviceSpec("l40s", 46068 * MiB, 362e12, 91.6e12, 864e9, 25e9, 3e9, True, 25e9, 12.5e9),
+    "l40s": DeviceSpec("l40s", 46068 * MiB, 362e12, 91.6e12, 864e9, 25e9, 3e9, True, 25e9, 12.5e9, arch="sm89"),
     # MI300X 192GB HBM3: 1307.4 TFLOP/s bf16 dense, 163.4 fp32, 5.3 TB/s, PCIe gen5 (ROCm exposes torch.cuda).
-    "mi300x": DeviceSpec("mi300x", 192 * GiB, 1307.4e12, 163.4e12, 5.3e12, 50e9, 3e9, True, 448e9, 50e9),
+    "mi300x": DeviceSpec("mi300x", 192 * GiB, 1307.4e12, 163.4e12, 5.3e12, 50e9, 3e9, True, 448e9, 50e9, arch="gfx942"),
 }
 
 

@@ -133,6 +133,7 @@ def _pipeline_graph(spec: str, config: TrainConfig) -> OpGraph:
         gathered_params=config.zero_stage == 3,
         moe_imbalance=config.moe_imbalance,
         blocks=config.blocks,
+        gpu=config.gpu,
     )
 
 

@@ -382,6 +382,7 @@ def _trace_all(
         name=type(model).__name__,
         blocks=blocks,
         moe_imbalance=train_config.moe_imbalance,
+        gpu=train_config.gpu,
     )
     graphs = {train_config.seq_len: tracer.trace(inputs)}
     lengths = [n for n, _ in seq_lens.buckets] if isinstance(seq_lens, PlanLadder) else list(seq_lens)

@@ -73,7 +73,7 @@ def dry_run(spec: ModelSpec, config: TrainConfig, plan: Plan) -> None:
     decisions left out: they move tensors, not ops); PlanFileError when it fails."""
     runnable = replace(plan, decisions=tuple(d for d in plan.decisions if d.action != "offload"))
     precision = str(plan.config["precision"])
-    with fake_model(spec, config.batch_size, config.seq_len, config.moe_imbalance) as (
+    with fake_model(spec, config.batch_size, config.seq_len, config.moe_imbalance, config.gpu) as (
         model,
         inputs,
         _,

@@ -17,11 +17,13 @@ import torch
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from costmodels.hardware import get_device
 from costmodels.memory import get_precision
 from memplan_compat import FakeTensor, FakeTensorMode, tree_leaves, tree_map
 from memplan_compat import disable_current_modes as _disable_current_modes
 from planner.errors import MemplanError, TraceError
 from planner.runtime.apply import batch_seq_len
+from planner.tracing.attention import TargetAttention
 from planner.tracing.graph import OpGraph
 from planner.tracing.hf import disable_kv_cache, eager_transformers
 from planner.tracing.moe import RoutingAssumption
@@ -62,6 +64,7 @@ class LiveTracer:
         name: str = "model",
         blocks: Sequence[str] = (),
         moe_imbalance: float = 1.0,
+        gpu: str = "cpu",
     ) -> None:
         if any(getattr(m.__dict__.get("forward"), "_memplan_wrapper", False) for m in model.modules()):
             raise MemplanError("this model already has a memplan plan applied; call remove() on its handle first")
@@ -73,6 +76,7 @@ class LiveTracer:
                 f"{', '.join(sorted(map(str, dtypes)))}; cast the model or pass another precision"
             )
         self.precision = precision
+        self.target = get_device(gpu)  # attention runs the kernels this device picks (tracing/attention.py)
         self.name = name
         self.blocks = tuple(blocks)
         self.fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
@@ -121,6 +125,8 @@ class LiveTracer:
             stack.enter_context(self.fake_mode)
             stack.enter_context(self.shadow)
             stack.enter_context(eager_transformers())
+            if self.target.is_cuda:
+                stack.enter_context(TargetAttention(self.target))
             graph = trace_model(
                 self.fake_model, fake_inputs, precision=precision or self.precision, name=self.name, blocks=self.blocks
             )

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import memplan_compat
+from costmodels.attention import HOST_OUTPUTS
 from costmodels.flops import op_bytes_accessed, op_flops
 from memplan_compat import ModTracker, TorchDispatchMode, tree_leaves
 from planner.errors import TraceError
@@ -155,9 +156,9 @@ class OpRecorder(TorchDispatchMode):
         if self.recording:
             self.frees[tid] = len(self.ops)
 
-    def tid_of(self, t: torch.Tensor, alloc_op: int, func=None, args=()) -> tuple[int, bool]:
+    def tid_of(self, t: torch.Tensor, alloc_op: int, func=None, args=(), host: bool = False) -> tuple[int, bool]:
         """The storage id of `t` (a DTensor's local shard), registering it as new (allocated at
-        `alloc_op`) if unseen."""
+        `alloc_op`) if unseen; a `host` output (HOST_OUTPUTS) takes no device bytes."""
         t = local_tensor(t)
         st = t.untyped_storage()
         key = id(st)
@@ -167,7 +168,7 @@ class OpRecorder(TorchDispatchMode):
         tid = self._next_tid
         self._next_tid += 1
         self._live[key] = tid
-        nbytes = as_int(st.nbytes(), "a tensor")
+        nbytes = 0 if host else as_int(st.nbytes(), "a tensor")
         if func is not None:
             nbytes = _kernel_storage_bytes(func, args, t, nbytes)
         self.storages[tid] = _Storage(
@@ -216,8 +217,9 @@ class OpRecorder(TorchDispatchMode):
             dict.fromkeys(self.tid_of(t, -1)[0] for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
         )
         outputs, allocs, dtype = [], [], ""
+        host = {id(out[k]) for k in HOST_OUTPUTS.get(self.current[0], ())}
         for t in out_tensors:
-            tid, new = self.tid_of(t, index, func, args)
+            tid, new = self.tid_of(t, index, func, args, host=id(t) in host)
             outputs.append(tid)
             if new:
                 allocs.append(tid)

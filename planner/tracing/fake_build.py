@@ -9,7 +9,9 @@ from typing import Any
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from costmodels.hardware import get_device
 from memplan_compat import FakeTensorMode
+from planner.tracing.attention import TargetAttention
 from planner.tracing.hf import disable_kv_cache, eager_transformers, skip_init
 from planner.tracing.moe import RoutingAssumption
 from planner.tracing.shadow import ShadowMode
@@ -20,7 +22,7 @@ __all__ = ["fake_model"]
 
 @contextmanager
 def fake_model(
-    spec: ModelSpec, batch_size: int, seq_len: int, moe_imbalance: float = 1.0
+    spec: ModelSpec, batch_size: int, seq_len: int, moe_imbalance: float = 1.0, target: str = "cpu"
 ) -> Iterator[tuple[nn.Module, Any, RoutingAssumption]]:
     """(model, inputs, routing) built on fake tensors, in train mode; valid inside the block.
 
@@ -28,9 +30,14 @@ def fake_model(
     data). Inside the block small integer/bool tensors keep real values that answer
     data-dependent checks, transformers is not told it is tracing, mixture-of-experts routing
     follows `moe_imbalance` (1.0: balanced), and the key/value cache is off, as in training.
+    Attention runs the kernels the `target` device (a name or profile, see costmodels.hardware)
+    picks: a GPU's, not the tracing CPU's (tracing/attention.py).
     """
+    device = get_device(target)
     with ExitStack() as stack:
         fake_mode = stack.enter_context(FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True))
+        if device.is_cuda:
+            stack.enter_context(TargetAttention(device))
         routing = RoutingAssumption(moe_imbalance)
         stack.enter_context(ShadowMode(fake_mode, route=routing))
         with skip_init():

@@ -394,6 +394,7 @@ def trace(
     lifetimes: bool = True,
     moe_imbalance: float = 1.0,
     blocks: Sequence[str] = (),
+    gpu: str = "cpu",
 ) -> OpGraph:
     """Trace one forward, loss and backward of a model spec on fake CPU tensors.
 
@@ -405,14 +406,15 @@ def trace(
     The model builds without weight init and runs the path its eager run takes: small integer and
     boolean tensors (ids, positions, masks) keep real values that answer data-dependent checks;
     mixture-of-experts routing follows `moe_imbalance` (1.0: balanced, see tracing/moe.py),
-    recorded in `graph.meta["moe"]`. The key/value cache is off, as in training.
+    recorded in `graph.meta["moe"]`. The key/value cache is off, as in training. Attention runs
+    the kernels the `gpu` (the target device) picks, as it allocates and saves them there.
     """
     model_spec = resolve_spec(spec) if isinstance(spec, str) else spec
     prec = get_precision(precision)
     param_dtype, traced_precision = prec.param_dtype, precision
     if gathered_params and prec.autocast_dtype is not None:
         param_dtype, traced_precision = prec.autocast_dtype, "fp32"
-    with fake_model(model_spec, batch_size, seq_len, moe_imbalance) as (model, inputs, routing):
+    with fake_model(model_spec, batch_size, seq_len, moe_imbalance, gpu) as (model, inputs, routing):
         if param_dtype != torch.float32:
             cast_parameters(model, param_dtype)
         graph = trace_model(
@@ -437,4 +439,5 @@ def trace_for(spec: str, config: TrainConfig, lifetimes: bool = True):
         lifetimes=lifetimes,
         moe_imbalance=config.moe_imbalance,
         blocks=config.blocks,
+        gpu=config.gpu,
     )

@@ -107,7 +107,11 @@ def trace_tp_rank(
     param_dtype, traced_precision = _traced_dtypes(config)
     with fake_process_group(rank, config.dp * config.cp * config.tp):
         mesh = layout_mesh(config)
-        with fake_model(model_spec, config.batch_size, config.seq_len, config.moe_imbalance) as (model, inputs, _):
+        with fake_model(model_spec, config.batch_size, config.seq_len, config.moe_imbalance, config.gpu) as (
+            model,
+            inputs,
+            _,
+        ):
             if param_dtype != torch.float32:
                 cast_parameters(model, param_dtype)
             plan(model, mesh["tp"])
