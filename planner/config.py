@@ -109,8 +109,8 @@ class TrainConfig:
 
     @property
     def layout_flags(self) -> str:
-        """The tensor and pipeline parallel flags of this layout ('--tp 2 --pp 4'), '' for data parallel."""
-        return " ".join(f"--{name} {getattr(self, name)}" for name in ("tp", "pp") if getattr(self, name) > 1)
+        """The tensor, expert and pipeline parallel flags of this layout ('--tp 2 --pp 4'), '' for data parallel."""
+        return " ".join(f"--{name} {getattr(self, name)}" for name in ("tp", "ep", "pp") if getattr(self, name) > 1)
 
     @property
     def num_microbatches(self) -> int:

@@ -30,7 +30,7 @@ makes, as extra bytes per op. Gloo/NCCL internal workspaces are not tensors and 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
@@ -103,8 +103,15 @@ def _fsdp_units(graph: OpGraph, dp: int) -> list[FsdpUnit]:
     blocks = sorted(graph.regions, key=lambda r: r.fwd_start)
     owner = param_owners(graph)
     sizes = [0] * (len(blocks) + 1)
+    # under expert parallel the local experts are sharded over the dp / ep ranks that hold the same ones
+    experts = Counter(tuple(s) for s in graph.meta.get("ep_expert_shapes", ()))
+    expert_dp = max(1, dp // graph.meta.get("ep", 1))
     for tid, t in params.items():
-        sizes[owner.get(tid, len(blocks))] += padded_bytes(t.shape, param_itemsize(t), dp)
+        degree = dp
+        if experts[tuple(t.shape)] > 0:
+            experts[tuple(t.shape)] -= 1
+            degree = expert_dp
+        sizes[owner.get(tid, len(blocks))] += padded_bytes(t.shape, param_itemsize(t), degree)
     units = [FsdpUnit(r.path, sizes[k], r.fwd_start, r.fwd_end, r.bwd_start, r.bwd_end) for k, r in enumerate(blocks)]
     units.append(FsdpUnit("", sizes[-1], 0, graph.backward_start, graph.backward_start, len(graph.ops)))
     return units

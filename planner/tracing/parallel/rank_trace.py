@@ -159,6 +159,7 @@ def trace_tp_rank(
             if sparse is not None:
                 ep_plan(model, sparse["ep"], sparse["tp"])
                 state_shapes = _state_shapes(model)
+                expert_shapes = [tuple(p.to_local().shape) for p in model.parameters() if isinstance(p, DTensor)]
             keys = tp_role_keys(model, config)
             graph = trace_model(
                 model,
@@ -170,7 +171,12 @@ def trace_tp_rank(
             )
             if sparse is not None:
                 keys = ep_role_keys(routing, config.ep)
-                graph.meta.update(ep=config.ep, ep_plan=config.ep_plan, ep_state_param_shapes=state_shapes)
+                graph.meta.update(
+                    ep=config.ep,
+                    ep_plan=config.ep_plan,
+                    ep_state_param_shapes=state_shapes,
+                    ep_expert_shapes=expert_shapes,
+                )
                 graph.meta["moe"] = routing.to_dict()
     graph.meta.update(
         precision=config.precision,
