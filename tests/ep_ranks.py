@@ -1,8 +1,9 @@
 """Test-only: run expert-parallel cases on CPU gloo ranks and collect each rank's measured peak.
 
-A case is (key, model spec, TrainConfig); every case of one call runs on config.world_size ranks
+A case is (key, model spec, TrainConfig, plan dict or None); every case of one call runs on config.world_size ranks
 (planner.runtime.parallel_verify.run_on_gloo_ranks). Each rank builds the model from the same seed
-and the same batch, shards its experts with the EP plan memplan traced, routes tokens as the trace
+and the same batch, shards its experts with the EP plan memplan traced (then applies the memplan
+plan, if any), routes tokens as the trace
 assumed, checks its first gradients against one unsharded process, then measures a steady-state
 step. Every rank holds the same batch, so an expert's gradient sums the same tokens from each of the
 ep ranks: ep times the single process's; every other gradient equals the single process's.
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from planner import load_plan
 from planner.runtime.parallel_verify import build_parallel_model, measure_parallel_step, run_on_gloo_ranks
 from planner.runtime.routing import assumed_routing
 from planner.tracing.recorder import loss_of, run_step_inputs
@@ -46,8 +48,8 @@ def _worker(rank: int, world_size: int, init_file: str, cases: list, queue) -> N
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        for key, spec, config in cases:
-            model, inputs = build_parallel_model(spec, config)
+        for key, spec, config, plan in cases:
+            model, inputs = build_parallel_model(spec, config, load_plan(plan) if plan is not None else None)
             grad_error = _grad_error(spec, config, model, inputs)
             queue.put((key, rank, measure_parallel_step(model, inputs, config).peak_bytes, grad_error))
     finally:

@@ -40,7 +40,11 @@ def test_ep_role_keys_follow_the_routing_assumption():
     assert ep_role_keys(RoutingAssumption(1.0, routers=1, experts=4, top_k=2, tokens=128), 2) == [(64, 64)] * 2
 
 
-@pytest.mark.parametrize("spec", [TITAN_MOE, MIXTRAL, QWEN3_MOE], ids=["titan", "mixtral", "qwen3-moe"])
+@pytest.mark.parametrize(
+    "spec",
+    [TITAN_MOE, pytest.param(MIXTRAL, marks=pytest.mark.slow), pytest.param(QWEN3_MOE, marks=pytest.mark.slow)],
+    ids=["titan", "mixtral", "qwen3-moe"],
+)
 def test_ep_shards_experts_and_the_busiest_rank_receives_more(spec):
     from planner.api import simulate_model
 
@@ -127,26 +131,38 @@ def test_cli_json_ranks_carry_ep_coords(capsys, tmp_path):
 # ---------------------------------------------------------------------------------------- gloo ranks
 
 GLOO_SPECS = {"titan": TITAN_MOE, "mixtral": MIXTRAL}
+PLAN_FRACTION = 0.85  # budget: this much of the no-plan peak of the worst rank
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_ep2_per_rank_peak_and_gradients_match_gloo_ranks():
+def test_ep2_per_rank_peak_plans_and_gradients_match_gloo_ranks():
     """EP=2 on 2 gloo ranks (balanced and skewed routing): each rank's measured peak within 1% of its
-    prediction, gradients allclose to one process."""
+    prediction, gradients allclose to one process; a plan solved for the busiest rank keeps both
+    ranks within the budget."""
     from ep_ranks import run_on_ranks
 
-    predicted, cases = {}, []
+    from planner.api import plan_model
+
+    predicted, cases, budgets = {}, [], {}
     for imbalance in (1.0, 2.0):
         config = _config(dp=2, ep=2, moe_imbalance=imbalance)
         for name, spec in GLOO_SPECS.items():
             key = f"{name}-imbalance-{imbalance:g}"
             predicted[key] = _by_rank(simulate_ranks(spec, config))
-            cases.append((key, spec, config))
+            cases.append((key, spec, config, None))
+    config = _config(dp=2, ep=2, moe_imbalance=2.0)
+    for name, spec in GLOO_SPECS.items():
+        key = f"{name}-plan"
+        budgets[key] = int(PLAN_FRACTION * simulate_ranks(spec, config).peak_bytes)
+        plan, _, _ = plan_model(spec, config, budgets[key], time_limit_s=5.0)
+        predicted[key] = _by_rank(simulate_ranks(spec, config, plan))
+        cases.append((key, spec, config, plan.to_dict()))
     measured = run_on_ranks(cases, 2)
     for key, want in predicted.items():
         peaks, grad_error = measured[key]
         for rank, (w, got) in enumerate(zip(want, peaks)):
             assert abs(w - got) <= TOLERANCE * got, (key, rank, w, got)
+            assert key not in budgets or got <= budgets[key] * (1 + TOLERANCE), (key, rank, got, budgets[key])
         assert grad_error == 0.0, (key, grad_error)
     assert predicted["titan-imbalance-2"][0] > predicted["titan-imbalance-2"][1]

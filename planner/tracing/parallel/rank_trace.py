@@ -171,6 +171,7 @@ def trace_tp_rank(
             )
             if sparse is not None:
                 keys = ep_role_keys(routing, config.ep)
+                routing.routers = sum(op.name == "aten.topk.default" for op in graph.ops[: graph.backward_start])
                 graph.meta.update(
                     ep=config.ep,
                     ep_plan=config.ep_plan,
