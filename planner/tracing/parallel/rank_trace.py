@@ -83,13 +83,14 @@ def ep_mesh(config: TrainConfig) -> DeviceMesh:
 
 def ep_role_keys(routing: RoutingAssumption, ep: int) -> list[tuple]:
     """One key per EP index: the rows each of its experts receives from one rank under the routing
-    assumption (every rank routes alike). EP indices with equal keys run the same local step."""
+    assumption (every rank routes alike), as a multiset (which local expert gets which count only
+    reorders the experts' work). EP indices with equal keys are one role."""
     if not routing.experts or routing.experts % ep:
         return [()] * ep
     counts = routed_indices(routing.tokens, routing.experts, routing.top_k, routing.imbalance).flatten()
     counts = counts.bincount(minlength=routing.experts).tolist()
     local = routing.experts // ep
-    return [tuple(counts[j * local : (j + 1) * local]) for j in range(ep)]
+    return [tuple(sorted(counts[j * local : (j + 1) * local], reverse=True)) for j in range(ep)]
 
 
 def _state_shapes(model: nn.Module) -> list[tuple[int, ...]]:
