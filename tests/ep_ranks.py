@@ -34,7 +34,7 @@ def _grad_error(spec: str, config, sharded, inputs) -> float:
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     worst = 0.0
     for name, p in sharded.named_parameters():
-        expert = isinstance(p, DTensor)
+        expert = isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
         got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         want = ref_grads[name] * (config.ep if expert else 1)
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()) + 1e-12):

@@ -68,6 +68,21 @@ def test_ep_with_more_data_parallel_ranks_repeats_the_ep_roles():
     assert [r["coords"]["ep"] for r in layout["ranks"]] == [0, 1]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ep2_inside_fsdp2_on_4_gloo_ranks():
+    """--dp 4 --ep 2 --zero 3: the experts sharded over EP 2 and FSDP2 over the 2 ranks holding the
+    same experts, the rest over all 4; each rank within 1% of its prediction."""
+    from ep_ranks import run_on_ranks
+
+    config = _config(dp=4, ep=2, zero_stage=3, moe_imbalance=2.0)
+    want = _by_rank(simulate_ranks(TITAN_MOE, config))
+    peaks, grad_error = run_on_ranks([("titan", TITAN_MOE, config, None)], 4)["titan"]
+    for rank, (w, got) in enumerate(zip(want, peaks)):
+        assert abs(w - got) <= TOLERANCE * got, (rank, w, got)
+    assert grad_error == 0.0
+
+
 def test_ep_with_zero3_shards_experts_over_the_rest_of_dp():
     ep_only = simulate_ranks(TITAN_MOE, _config(dp=4, ep=2)).to_dict()
     fsdp = simulate_ranks(TITAN_MOE, _config(dp=4, ep=2, zero_stage=3)).to_dict()
@@ -137,18 +152,18 @@ PLAN_FRACTION = 0.85  # budget: this much of the no-plan peak of the worst rank
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_ep2_per_rank_peak_plans_and_gradients_match_gloo_ranks():
-    """EP=2 on 2 gloo ranks (balanced and skewed routing): each rank's measured peak within 1% of its
-    prediction, gradients allclose to one process; a plan solved for the busiest rank keeps both
-    ranks within the budget."""
+    """EP=2 on 2 gloo ranks (balanced and skewed routing, and inside FSDP2 with --zero 3): each rank's
+    measured peak within 1% of its prediction, gradients allclose to one process; a plan solved for
+    the busiest rank keeps both ranks within the budget."""
     from ep_ranks import run_on_ranks
 
     from planner.api import plan_model
 
     predicted, cases, budgets = {}, [], {}
-    for imbalance in (1.0, 2.0):
-        config = _config(dp=2, ep=2, moe_imbalance=imbalance)
+    for imbalance, zero in ((1.0, 0), (2.0, 0), (2.0, 3)):
+        config = _config(dp=2, ep=2, moe_imbalance=imbalance, zero_stage=zero)
         for name, spec in GLOO_SPECS.items():
-            key = f"{name}-imbalance-{imbalance:g}"
+            key = f"{name}-imbalance-{imbalance:g}" + ("-fsdp2" if zero else "")
             predicted[key] = _by_rank(simulate_ranks(spec, config))
             cases.append((key, spec, config, None))
     config = _config(dp=2, ep=2, moe_imbalance=2.0)

@@ -3,7 +3,8 @@
 Run inside a process group of ``dp · cp · tp`` ranks (gloo on CPU). Order, as torchtitan composes
 them: the TP plan and the EP plan (the same callables the fake-tensor trace applied), then a
 memplan plan (checkpointing), then ``fully_shard`` per block and root on the ``dp`` submesh with
-``--zero 3``. Under expert parallel the step routes tokens as the trace assumed
+``--zero 3`` (under expert parallel each experts module first, on the ``dp / ep`` ranks that hold
+the same experts). Under expert parallel the step routes tokens as the trace assumed
 (planner/runtime/routing.py), so each rank receives the rows its prediction is for.
 """
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from costmodels.memory import get_precision
@@ -27,7 +29,7 @@ from planner.config import TrainConfig
 from planner.plans.format import load_plan
 from planner.runtime.apply import apply_plan
 from planner.runtime.routing import assumed_routing
-from planner.runtime.shard import ShardedBytesTracker, measure_sharded_step, shard_model
+from planner.runtime.shard import ShardedBytesTracker, fsdp_kwargs, measure_sharded_step, shard_model
 from planner.runtime.verify import Measurement
 from planner.tracing.blocks import find_region_paths
 from planner.tracing.hf import disable_kv_cache
@@ -81,12 +83,16 @@ def build_parallel_model(spec: str, config: TrainConfig, plan=None, seed: int = 
     mesh = _mesh(config)
     if config.tp > 1:
         resolve_tp_plan(config.tp_plan, config.sequence_parallel)(model, mesh["tp"])
+    experts = []
     if config.ep > 1:
         sparse = ep_mesh(config)
         resolve_ep_plan(config.ep_plan)(model, sparse["ep"], sparse["tp"])
+        experts = sorted({n.rpartition(".")[0] for n, p in model.named_parameters() if isinstance(p, DTensor)})
     if plan is not None:
         apply_plan(model, plan)
     if config.dp > 1 and config.zero_stage == 3:
+        for path in experts:  # torchtitan: the experts over the dp / ep ranks holding the same ones, first
+            fully_shard(model.get_submodule(path), mesh=sparse["edp"], **fsdp_kwargs(config))
         shard_model(model, units, config, mesh=mesh["dp"])
     return model, inputs
 

@@ -161,6 +161,9 @@ def trace_tp_rank(
                 ep_plan(model, sparse["ep"], sparse["tp"])
                 state_shapes = _state_shapes(model)
                 expert_shapes = [tuple(p.to_local().shape) for p in model.parameters() if isinstance(p, DTensor)]
+                expert_paths = sorted(
+                    {n.rpartition(".")[0] for n, p in model.named_parameters() if isinstance(p, DTensor)}
+                )
             keys = tp_role_keys(model, config)
             graph = trace_model(
                 model,
@@ -178,6 +181,7 @@ def trace_tp_rank(
                     ep_plan=config.ep_plan,
                     ep_state_param_shapes=state_shapes,
                     ep_expert_shapes=expert_shapes,
+                    ep_expert_modules=expert_paths,
                 )
                 graph.meta["moe"] = routing.to_dict()
     graph.meta.update(
