@@ -29,6 +29,7 @@ TABLES["adaptive"] = "adaptive"  # growing sequence: adaptive plan vs a fixed on
 TABLES["set_budget"] = "set_budget"  # re-planning latency, 4/32/80 blocks (benchmarks/set_budget.py)
 TABLES["layouts"] = "layouts"  # whole-layout search (benchmarks/layouts.py)
 TABLES["hot_path"] = "hot_path"  # simulate/plan wall time, folded vs full trace (benchmarks/hot_path.py)
+TABLES["ep"] = "expert_parallel"  # EP roles per rank, DeepSeek-V3 at EP 32 (benchmarks/expert_parallel.py)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -130,11 +130,18 @@ def _expert_units(graph: OpGraph, params: dict[int, TensorInfo]) -> list[tuple[_
     its block (torchtitan shards it over the dp / ep ranks that hold the same experts): its op ranges
     and the expert parameters its forward reads."""
     shapes = Counter(tuple(s) for s in graph.meta.get("ep_expert_shapes", ()))
+    paths = graph.meta.get("ep_expert_modules", ())
+    inside: dict[str, list[int]] = {path: [] for path in paths}
+    for op in graph.ops if paths else ():
+        module = op.module
+        while module and module not in inside:
+            module = module.rpartition(".")[0]
+        if module:
+            inside[module].append(op.index)
     out = []
-    for path in graph.meta.get("ep_expert_modules", ()):
-        inside = [op for op in graph.ops if op.module == path or op.module.startswith(path + ".")]
-        fwd = [op.index for op in inside if op.index < graph.backward_start]
-        bwd = [op.index for op in inside if op.index >= graph.backward_start]
+    for path in paths:
+        fwd = [i for i in inside[path] if i < graph.backward_start]
+        bwd = [i for i in inside[path] if i >= graph.backward_start]
         if not fwd or not bwd:
             continue
         owned = set()
