@@ -185,12 +185,12 @@ class ShadowMode(TorchDispatchMode):
                 "is assumed from a router's top-k, see --moe-imbalance)"
             )
         if name in _COLLECTIVES:
-            self._shadow_collective(name, args, out, have)
+            self._shadow_collective(name, args, out)
             return out
         self._shadow_outputs(func, args, out, have, rargs, rkwargs)
         return out
 
-    def _shadow_collective(self, name: str, args: tuple, out: Any, have: bool) -> None:
+    def _shadow_collective(self, name: str, args: tuple, out: Any) -> None:
         """The real result of a collective on a shadowed input, every rank holding what this one holds."""
         source_at, out_at = _COLLECTIVES[name]
         target = out if out_at is None else args[out_at]
