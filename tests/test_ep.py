@@ -62,6 +62,17 @@ def test_ep_shards_experts_and_the_busiest_rank_receives_more(spec):
     assert not dist.is_initialized()
 
 
+def test_a_sweep_and_a_single_rank_simulation_know_about_ep(capsys):
+    from planner.api import simulate_model, simulate_sweep
+    from planner.errors import TraceError
+
+    config = _config(dp=2, ep=2, moe_imbalance=2.0)
+    (swept,) = simulate_sweep(TITAN_MOE, [config])
+    assert swept["peak_bytes"] == simulate_ranks(TITAN_MOE, config).peak_bytes
+    with pytest.raises(TraceError, match="simulate_layout"):
+        simulate_model(TITAN_MOE, config)
+
+
 def test_ep_with_more_data_parallel_ranks_repeats_the_ep_roles():
     layout = simulate_ranks(TITAN_MOE, _config(dp=4, ep=2, moe_imbalance=2.0)).to_dict()
     assert [r["ranks"] for r in layout["ranks"]] == [[0, 2], [1, 3]]
