@@ -30,6 +30,7 @@ TABLES["set_budget"] = "set_budget"  # re-planning latency, 4/32/80 blocks (benc
 TABLES["layouts"] = "layouts"  # whole-layout search (benchmarks/layouts.py)
 TABLES["hot_path"] = "hot_path"  # simulate/plan wall time, folded vs full trace (benchmarks/hot_path.py)
 TABLES["tp_megatron"] = "tp_megatron"  # llama-70b at TP 1/2/4/8 against Megatron's formula (benchmarks/tp_megatron.py)
+TABLES["ep"] = "expert_parallel"  # EP roles per rank, DeepSeek-V3 at EP 32 (benchmarks/expert_parallel.py)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,6 +52,9 @@ PRIVATE_APIS: dict[str, tuple[str, str | None]] = {
     "ProfilerMemoryAction": ("torch.profiler._memory_profiler", "Action"),
     # per-rank traces without real ranks; DTensor's sharding propagation; the peer estimators
     "FakeStore": ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
+    "resolve_process_group": ("torch.distributed.distributed_c10d", "_resolve_process_group"),
+    "all_to_all_single": ("torch.distributed._functional_collectives", "all_to_all_single"),
+    "all_to_all_single_autograd": ("torch.distributed._functional_collectives", "all_to_all_single_autograd"),
     "ShardingPropagator": ("torch.distributed.tensor._sharding_prop", "ShardingPropagator"),
     "FSDPMemTracker": ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker"),
 }

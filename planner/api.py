@@ -273,7 +273,7 @@ class LayoutVerifyResult:
 def verify_layout(
     spec: str, config: TrainConfig, plan: str | None = None, timeout_s: float = 600.0
 ) -> LayoutVerifyResult:
-    """Run the layout on ``config.world_size`` CPU processes under gloo (the TP plan, the memplan
+    """Run the layout on ``config.world_size`` CPU processes under gloo (the TP or EP plan, the memplan
     plan, FSDP2 with --zero 3) and compare each rank's measured peak with its prediction."""
     if config.gpu != "cpu":
         raise ValueError(f"verify runs on this machine's CPU; use --gpu cpu (got {config.gpu})")
@@ -421,8 +421,8 @@ def check_plan_for_spec(spec: str, config: TrainConfig, plan_path: str) -> str:
 def _simulate_dict(args: tuple[str, TrainConfig, str | None, str]) -> dict:
     spec, config, plan, strategy = args
     torch.set_num_threads(1)
-    if config.pp > 1:
-        return simulate_pipeline_model(spec, config, plan, strategy).to_dict()
+    if config.pp > 1 or is_tensor_parallel(config):
+        return simulate_layout(spec, config, plan, strategy).to_dict()
     return simulate_model(spec, config, plan, strategy).to_dict()
 
 

@@ -111,8 +111,8 @@ class TrainConfig:
 
     @property
     def layout_flags(self) -> str:
-        """The tensor and pipeline parallel flags of this layout ('--tp 2 --pp 4'), '' for data parallel."""
-        return " ".join(f"--{name} {getattr(self, name)}" for name in ("tp", "pp") if getattr(self, name) > 1)
+        """The tensor, expert and pipeline parallel flags of this layout ('--tp 2 --pp 4'), '' for data parallel."""
+        return " ".join(f"--{name} {getattr(self, name)}" for name in ("tp", "ep", "pp") if getattr(self, name) > 1)
 
     @property
     def num_microbatches(self) -> int:
@@ -140,11 +140,19 @@ class TrainConfig:
         for name in ("tp_plan", "ep_plan"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
                 raise ValueError(f"--{name.replace('_', '-')} must be auto, PATH.py:FUNC or package.module:FUNC")
-        for name, what in (("cp", "context parallel"), ("ep", "expert parallel")):
-            if getattr(self, name) > 1:
-                raise ValueError(
-                    f"{what} (--{name}) is not modelled yet; memplan simulates --tp, --pp and --dp/--zero layouts"
-                )
+        if self.cp > 1:
+            raise ValueError(
+                "context parallel (--cp) is not modelled yet; memplan simulates --tp, --ep, --pp and --dp/--zero layouts"
+            )
+        if self.ep > 1 and (self.dp * self.cp) % self.ep:
+            raise ValueError(
+                f"--ep {self.ep} must divide --dp {self.dp} × --cp {self.cp}: expert parallel borrows its ranks "
+                f"from data parallel; use a --dp that --ep divides (e.g. --dp {self.ep})"
+            )
+        if self.ep > 1 and self.pp > 1:
+            raise ValueError("--ep together with --pp is not simulated yet; drop --pp or --ep")
+        if self.ep > 1 and self.zero_stage in (1, 2):
+            raise ValueError(f"--ep with --zero {self.zero_stage} is not modelled; use --zero 3 (FSDP2) or --zero 0")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"unknown --pp-schedule '{self.pp_schedule}'; use one of: {', '.join(PP_SCHEDULES)}")
         v = self.num_stages_per_rank

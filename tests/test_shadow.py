@@ -89,3 +89,29 @@ def test_constant_float_factories_get_shadows_random_ones_do_not():
         assert bool((mask.sum() == mask.numel()).item())  # answered from the shadow
         noise = torch.randn(2, 8)
         assert shadow.real(noise) is None and shadow.real(ones) is not None
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_collectives_on_shadowed_counts_are_answered_as_if_every_rank_held_the_same(rank):
+    """An expert-parallel dispatch exchanges token counts, then reads them (.tolist()): on fake
+    tensors under a fake process group the answer is this rank's chunk from every peer."""
+    import torch.distributed as dist
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from memplan_compat import FakeTensorMode, all_to_all_single
+    from planner.tracing.parallel.rank_trace import fake_process_group
+    from planner.tracing.shadow import ShadowMode
+
+    with fake_process_group(rank, 2):
+        group = dist.group.WORLD
+        fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+        with fake_mode, ShadowMode(fake_mode):
+            counts = torch.arange(4) * 2 + 1  # [1, 3, 5, 7]: rank 0 sends [1, 3], rank 1 [5, 7]
+            received = torch.ops._c10d_functional.wait_tensor(all_to_all_single(counts, None, None, group=group))
+            in_place = torch.empty_like(counts)
+            dist.all_to_all_single(in_place, counts, group=group)
+            gathered = torch.ops._c10d_functional.all_gather_into_tensor(counts, 2, group.group_name)
+            mine = [1, 3] if rank == 0 else [5, 7]
+            assert received.tolist() == mine * 2
+            assert in_place.tolist() == mine * 2
+            assert gathered.tolist() == [1, 3, 5, 7] * 2

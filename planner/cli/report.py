@@ -83,6 +83,8 @@ def _ranks_lines(result: dict) -> list[str]:
         coords = " ".join(f"{k}={v}" for k, v in role["coords"].items())
         rows.append([shown, coords, format_bytes(role["peak_bytes"]), role["peak_phase"], role["peak_op"]])
     layout = " × ".join(f"{d} {result['layout'][d]}" for d in ("pp", "dp", "cp", "tp") if result["layout"][d] > 1)
+    if result["layout"].get("ep", 1) > 1:
+        layout += f", ep {result['layout']['ep']} within dp × cp"
     return [
         f"{result['layout']['world_size']} ranks ({layout}), {len(result['ranks'])} distinct; worst rank "
         f"{result['worst_rank']}, whose step is shown below",

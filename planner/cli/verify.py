@@ -25,7 +25,7 @@ def register(add) -> None:
 def run(args) -> None:
     if args.gpu != "cpu":
         raise ValueError(f"verify runs the real model on this machine's CPU; drop --gpu {args.gpu}")
-    if args.tp > 1:
+    if args.tp > 1 or args.ep > 1:
         _run_layout(args)
         return
     with guarded_imports():
@@ -41,7 +41,7 @@ def run(args) -> None:
 
 
 def _run_layout(args) -> None:
-    """Every rank of a tensor-parallel layout, each a CPU process under gloo."""
+    """Every rank of a tensor- or expert-parallel layout, each a CPU process under gloo."""
     with guarded_imports():
         from planner.api import verify_layout
     results = [verify_layout(args.model, config_from_args(args, s), args.plan) for s in args.seq_len]

@@ -1,8 +1,11 @@
-"""Shard a real model as memplan's tensor-parallel simulation does, and measure one rank's step.
+"""Shard a real model as memplan's tensor- and expert-parallel simulation does, and measure one rank's step.
 
 Run inside a process group of ``dp · cp · tp`` ranks (gloo on CPU). Order, as torchtitan composes
-them: the TP plan (the same callable the fake-tensor trace applied), then a memplan plan
-(checkpointing), then ``fully_shard`` per block and root on the ``dp`` submesh with ``--zero 3``.
+them: the TP plan and the EP plan (the same callables the fake-tensor trace applied), then a
+memplan plan (checkpointing), then ``fully_shard`` per block and root on the ``dp`` submesh with
+``--zero 3`` (under expert parallel each experts module first, on the ``dp / ep`` ranks that hold
+the same experts). Under expert parallel the step routes tokens as the trace assumed
+(planner/runtime/routing.py), so each rank receives the rows its prediction is for.
 """
 
 from __future__ import annotations
@@ -10,12 +13,14 @@ from __future__ import annotations
 import os
 import queue as queue_module
 import tempfile
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from costmodels.memory import get_precision
@@ -23,10 +28,13 @@ from memplan_compat import is_traceable_wrapper_subclass
 from planner.config import TrainConfig
 from planner.plans.format import load_plan
 from planner.runtime.apply import apply_plan
-from planner.runtime.shard import ShardedBytesTracker, measure_sharded_step, shard_model
+from planner.runtime.routing import assumed_routing
+from planner.runtime.shard import ShardedBytesTracker, fsdp_kwargs, measure_sharded_step, shard_model
 from planner.runtime.verify import Measurement
 from planner.tracing.blocks import find_region_paths
 from planner.tracing.hf import disable_kv_cache
+from planner.tracing.parallel.ep_plans import resolve_ep_plan
+from planner.tracing.parallel.rank_trace import ep_mesh
 from planner.tracing.parallel.tp_plans import tp_plan_for
 from planner.tracing.specs import resolve_spec
 
@@ -73,17 +81,27 @@ def build_parallel_model(spec: str, config: TrainConfig, plan=None, seed: int = 
     disable_kv_cache(model)
     units = find_region_paths(model, config.blocks)
     mesh = _mesh(config)
-    tp_plan_for(config)(model, mesh["tp"])
+    if config.tp > 1:
+        tp_plan_for(config)(model, mesh["tp"])
+    experts = []
+    if config.ep > 1:
+        sparse = ep_mesh(config)
+        resolve_ep_plan(config.ep_plan)(model, sparse["ep"], sparse["tp"])
+        experts = sorted({n.rpartition(".")[0] for n, p in model.named_parameters() if isinstance(p, DTensor)})
     if plan is not None:
         apply_plan(model, plan)
     if config.dp > 1 and config.zero_stage == 3:
+        for path in experts:  # torchtitan: the experts over the dp / ep ranks holding the same ones, first
+            fully_shard(model.get_submodule(path), mesh=sparse["edp"], **fsdp_kwargs(config))
         shard_model(model, units, config, mesh=mesh["dp"])
     return model, inputs
 
 
 def measure_parallel_step(model: nn.Module, inputs, config: TrainConfig) -> Measurement:
-    """This rank's peak live bytes over a steady-state step (after a warm-up; the lowest of a few)."""
-    return measure_sharded_step(model, inputs, config, tracker=LocalBytesTracker)
+    """This rank's peak live bytes over a steady-state step (after a warm-up; the lowest of a few),
+    routed as the trace assumes under expert parallel."""
+    with assumed_routing(config.moe_imbalance) if config.ep > 1 else nullcontext():
+        return measure_sharded_step(model, inputs, config, tracker=LocalBytesTracker)
 
 
 def _measure_worker(rank: int, world_size: int, init_file: str, payload: tuple, queue) -> None:

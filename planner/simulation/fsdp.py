@@ -30,7 +30,7 @@ makes, as extra bytes per op. Gloo/NCCL internal workspaces are not tensors and 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
@@ -102,12 +102,57 @@ def _fsdp_units(graph: OpGraph, dp: int) -> list[FsdpUnit]:
     params = {t.id: t for t in graph.preexisting() if t.category == "parameter"}
     blocks = sorted(graph.regions, key=lambda r: r.fwd_start)
     owner = param_owners(graph)
+    experts = _expert_units(graph, params)
     sizes = [0] * (len(blocks) + 1)
+    expert_dp = max(1, dp // graph.meta.get("ep", 1))
+    expert_sizes = [0] * len(experts)
     for tid, t in params.items():
-        sizes[owner.get(tid, len(blocks))] += padded_bytes(t.shape, param_itemsize(t), dp)
+        e = next((k for k, (_, owned) in enumerate(experts) if tid in owned), None)
+        if e is not None:
+            expert_sizes[e] += padded_bytes(t.shape, param_itemsize(t), expert_dp)
+        else:
+            sizes[owner.get(tid, len(blocks))] += padded_bytes(t.shape, param_itemsize(t), dp)
     units = [FsdpUnit(r.path, sizes[k], r.fwd_start, r.fwd_end, r.bwd_start, r.bwd_end) for k, r in enumerate(blocks)]
+    units += [FsdpUnit(u.path, expert_sizes[k], *u.ranges) for k, (u, _) in enumerate(experts)]
+    units.sort(key=lambda u: u.fwd_end)  # FSDP2's post-forward order: backward prefetches the unit before
     units.append(FsdpUnit("", sizes[-1], 0, graph.backward_start, graph.backward_start, len(graph.ops)))
     return units
+
+
+@dataclass(frozen=True)
+class _ExpertRanges:
+    path: str
+    ranges: tuple[int, int, int, int]
+
+
+def _expert_units(graph: OpGraph, params: dict[int, TensorInfo]) -> list[tuple[_ExpertRanges, set[int]]]:
+    """Under expert parallel with FSDP2, each experts module is its own ``fully_shard`` unit nested in
+    its block (torchtitan shards it over the dp / ep ranks that hold the same experts): its op ranges
+    and the expert parameters its forward reads."""
+    shapes = Counter(tuple(s) for s in graph.meta.get("ep_expert_shapes", ()))
+    paths = graph.meta.get("ep_expert_modules", ())
+    inside: dict[str, list[int]] = {path: [] for path in paths}
+    for op in graph.ops if paths else ():
+        module = op.module
+        while module and module not in inside:
+            module = module.rpartition(".")[0]
+        if module:
+            inside[module].append(op.index)
+    out = []
+    for path in paths:
+        fwd = [i for i in inside[path] if i < graph.backward_start]
+        bwd = [i for i in inside[path] if i >= graph.backward_start]
+        if not fwd or not bwd:
+            continue
+        owned = set()
+        for i in range(fwd[0], fwd[-1] + 1):
+            for tid in graph.ops[i].inputs:
+                t = params.get(tid)
+                if t is not None and tid not in owned and shapes[tuple(t.shape)] > 0:
+                    shapes[tuple(t.shape)] -= 1
+                    owned.add(tid)
+        out.append((_ExpertRanges(path, (fwd[0], fwd[-1] + 1, bwd[0], bwd[-1] + 1)), owned))
+    return out
 
 
 class _State:

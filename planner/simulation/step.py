@@ -159,6 +159,12 @@ def simulate(
             f"this trace is one rank of --tp {traced_tp} but the config says --tp {config.tp}; simulate every rank "
             "of a tensor-parallel layout with planner.api.simulate_layout (memplan simulate --tp N)"
         )
+    traced_ep = graph.meta.get("ep", 1)
+    if config.ep != traced_ep:
+        raise TraceError(
+            f"this trace is one rank of --ep {traced_ep} but the config says --ep {config.ep}; simulate every rank "
+            "of an expert-parallel layout with planner.api.simulate_layout (memplan simulate --ep N)"
+        )
     device = get_device(config.gpu)
     scale = category_scale(graph, config)
     states = model_states_for(graph, config)

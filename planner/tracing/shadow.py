@@ -9,6 +9,11 @@ are small). Reading a value (`.item()`, `bool()`) is answered from the shadow;
 an op with a data-dependent output size (`nonzero`, boolean indexing) gets a fake output of the
 size its real result has. Reading a value that has no shadow is a one-line :class:`TraceError`
 naming the op and the source line.
+
+A collective on shadowed tensors (the token counts an expert-parallel dispatch exchanges before
+its all-to-all) is answered under the *symmetric-rank* assumption: every rank of the group holds
+what this rank holds (they route by the same assumption), so an all-to-all brings this rank's own
+chunk from every peer and an all-gather repeats this rank's input.
 """
 
 from __future__ import annotations
@@ -55,6 +60,13 @@ _CONSTANT_FACTORIES = frozenset(
     )
 )
 _REWRITTEN_OPS = ("aten.index.Tensor", "aten._grouped_mm.default", "aten.topk.default")
+# Collectives answered for shadowed inputs (symmetric ranks): op -> (input position, output position
+# or None for the returned tensor).
+_COLLECTIVES = {
+    "c10d.alltoall_base_.default": (1, 0),
+    "_c10d_functional.all_to_all_single.default": (0, None),
+    "_c10d_functional.all_gather_into_tensor.default": (0, None),
+}
 _DYNAMIC_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
 _OWN_DIRS = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__, os.path.dirname(__file__)))
 
@@ -85,6 +97,7 @@ def _special(func) -> bool:
     if special is None:
         special = (
             str(func) in _READ_OPS + _REWRITTEN_OPS
+            or str(func) in _COLLECTIVES
             or func._schema.is_mutable
             or any(tag in func.tags for tag in _DYNAMIC_TAGS)
         )
@@ -171,8 +184,25 @@ class ShadowMode(TorchDispatchMode):
                 "from model data; memplan needs static shapes here (mixture-of-experts routing "
                 "is assumed from a router's top-k, see --moe-imbalance)"
             )
+        if name in _COLLECTIVES:
+            self._shadow_collective(name, args, out)
+            return out
         self._shadow_outputs(func, args, out, have, rargs, rkwargs)
         return out
+
+    def _shadow_collective(self, name: str, args: tuple, out: Any) -> None:
+        """The real result of a collective on a shadowed input, every rank holding what this one holds."""
+        source_at, out_at = _COLLECTIVES[name]
+        target = out if out_at is None else args[out_at]
+        source = self.real(args[source_at])
+        if isinstance(target, torch.Tensor) and target in self.shadows:
+            del self.shadows[target]
+        if source is None or not isinstance(target, torch.Tensor):
+            return
+        with _disable_current_modes():
+            real = _symmetric_result(name, args, source)
+            if real is not None and real.numel() == target.numel():
+                self.shadows[target] = real.reshape(target.shape).to(target.dtype)
 
     def _bool_index_as_long(self, index: Any) -> list[Any]:
         """A boolean index with a shadow becomes the long indices of its true elements (what
@@ -218,6 +248,31 @@ class ShadowMode(TorchDispatchMode):
                 for fake, real in zip(outs, routed):
                     if real is not None:
                         self.shadows[fake] = real
+
+
+def _group_of(name: str, args: tuple) -> tuple[int, int]:
+    """(this rank's index in the collective's group, the group's size)."""
+    from memplan_compat import resolve_process_group
+
+    if name.startswith("c10d."):
+        from torch.distributed import ProcessGroup
+
+        group = args[2] if isinstance(args[2], ProcessGroup) else ProcessGroup.unbox(args[2])
+    else:
+        group = resolve_process_group(args[-1])
+    return group.rank(), group.size()
+
+
+def _symmetric_result(name: str, args: tuple, source: torch.Tensor) -> torch.Tensor | None:
+    """What the collective `name` returns when every rank of its group holds `source`."""
+    me, size = _group_of(name, args)
+    if name == "_c10d_functional.all_gather_into_tensor.default":
+        return torch.cat([source] * size)
+    in_splits = list(args[4] if name.startswith("c10d.") else args[2]) or [source.shape[0] // size] * size
+    if sum(in_splits) != source.shape[0]:
+        return None
+    mine = source.split(in_splits)[me]
+    return torch.cat([mine] * size)
 
 
 def _grouped_mm_fake(func, args, kwargs) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Trace what one rank of a tensor-parallel job runs, on fake tensors under a fake process group.
+"""Trace what one rank of a tensor- or expert-parallel job runs, on fake tensors under a fake process group.
 
 PyTorch's own sharding makes the per-rank graph: the model builds on fake tensors, the TP plan
 shards it over the ``tp`` dimension of a ``[dp, cp, tp]`` DeviceMesh (``parallelize_module`` or
@@ -7,6 +7,12 @@ shards, sequence parallel's all-gather and reduce-scatter outputs, DTensor's red
 the loss. FSDP2 is not applied here (``fully_shard`` over TP shards fails on fake tensors): the
 simulator models its buffers over the local shards the trace holds. Pipeline stages are another
 module's concern: the fake group spans one stage's ``dp · cp · tp`` ranks.
+
+Expert parallel borrows its ranks from ``dp × cp`` (torchtitan): a second ``[edp, ep, tp]`` mesh
+over the same ranks, EP innermost, so a rank's EP index is ``(dp_i · cp + cp_i) mod ep``. The EP
+plan shards the experts over ``ep``; the rows each EP rank receives follow the routing assumption
+(``--moe-imbalance``), every rank routing alike, so EP ranks whose experts receive the same rows
+are one role.
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ from planner.config import TrainConfig
 from planner.errors import TraceError
 from planner.tracing.fake_build import fake_model
 from planner.tracing.graph import OpGraph
+from planner.tracing.moe import RoutingAssumption, routed_indices
+from planner.tracing.parallel.ep_plans import EpPlan, resolve_ep_plan
 from planner.tracing.parallel.tp_plans import TpPlan, step_context, tp_plan_for
 from planner.tracing.recorder import cast_parameters, trace_model
 from planner.tracing.specs import ModelSpec, resolve_spec
 
-__all__ = ["fake_process_group", "layout_mesh", "tp_role_keys", "trace_tp_rank"]
+__all__ = ["ep_mesh", "ep_role_keys", "fake_process_group", "layout_mesh", "tp_role_keys", "trace_tp_rank"]
 
 
 def _clear_sharding_caches() -> None:
@@ -67,6 +75,30 @@ def layout_mesh(config: TrainConfig) -> DeviceMesh:
     return init_device_mesh("cpu", (config.dp, config.cp, config.tp), mesh_dim_names=("dp", "cp", "tp"))
 
 
+def ep_mesh(config: TrainConfig) -> DeviceMesh:
+    """The ``[edp, ep, tp]`` CPU mesh expert parallel shards experts over (EP innermost in dp × cp)."""
+    edp = config.dp * config.cp // config.ep
+    return init_device_mesh("cpu", (edp, config.ep, config.tp), mesh_dim_names=("edp", "ep", "tp"))
+
+
+def ep_role_keys(routing: RoutingAssumption, ep: int) -> list[tuple]:
+    """One key per EP index: the rows each of its experts receives from one rank under the routing
+    assumption (every rank routes alike), as a multiset (which local expert gets which count only
+    reorders the experts' work). EP indices with equal keys are one role."""
+    if not routing.experts or routing.experts % ep:
+        return [()] * ep
+    counts = routed_indices(routing.tokens, routing.experts, routing.top_k, routing.imbalance).flatten()
+    counts = counts.bincount(minlength=routing.experts).tolist()
+    local = routing.experts // ep
+    return [tuple(sorted(counts[j * local : (j + 1) * local], reverse=True)) for j in range(ep)]
+
+
+def _state_shapes(model: nn.Module) -> list[tuple[int, ...]]:
+    """Parameter shapes whose ZeRO-3 shards each rank keeps 1/dp of: an expert-sharded parameter
+    counts whole (its 1/ep local experts are sharded over dp / ep ranks), the others as held."""
+    return [tuple(p.shape) for p in model.parameters()]
+
+
 def _local_shape(p: torch.Tensor, tp_index: int) -> tuple[int, ...]:
     """A parameter's local shape on TP rank `tp_index` (DTensor's torch.chunk split)."""
     if not isinstance(p, DTensor):
@@ -99,22 +131,39 @@ def _traced_dtypes(config: TrainConfig) -> tuple[torch.dtype, str]:
 
 
 def trace_tp_rank(
-    spec: str | ModelSpec, config: TrainConfig, rank: int, lifetimes: bool = True, plan: TpPlan | None = None
+    spec: str | ModelSpec,
+    config: TrainConfig,
+    rank: int,
+    lifetimes: bool = True,
+    plan: TpPlan | None = None,
+    ep_plan: EpPlan | None = None,
 ) -> tuple[OpGraph, list[tuple]]:
-    """(graph of global rank `rank` within one pipeline stage, role key of every TP index)."""
+    """(graph of global rank `rank` within one pipeline stage, role key of every TP index, or of
+    every EP index under expert parallel)."""
     model_spec = resolve_spec(spec) if isinstance(spec, str) else spec
     plan = plan or tp_plan_for(config)
+    if config.ep > 1:
+        ep_plan = ep_plan or resolve_ep_plan(config.ep_plan)
     param_dtype, traced_precision = _traced_dtypes(config)
     with fake_process_group(rank, config.dp * config.cp * config.tp):
         mesh = layout_mesh(config)
+        sparse = ep_mesh(config) if config.ep > 1 else None
         with fake_model(model_spec, config.batch_size, config.seq_len, config.moe_imbalance, config.gpu) as (
             model,
             inputs,
-            _,
+            routing,
         ):
             if param_dtype != torch.float32:
                 cast_parameters(model, param_dtype)
-            plan(model, mesh["tp"])
+            if config.tp > 1:
+                plan(model, mesh["tp"])
+            if sparse is not None:
+                ep_plan(model, sparse["ep"], sparse["tp"])
+                state_shapes = _state_shapes(model)
+                expert_shapes = [tuple(p.to_local().shape) for p in model.parameters() if isinstance(p, DTensor)]
+                expert_paths = sorted(
+                    {n.rpartition(".")[0] for n, p in model.named_parameters() if isinstance(p, DTensor)}
+                )
             keys = tp_role_keys(model, config)
             with step_context(config):
                 graph = trace_model(
@@ -125,6 +174,17 @@ def trace_tp_rank(
                     lifetimes=lifetimes,
                     blocks=config.blocks,
                 )
+            if sparse is not None:
+                keys = ep_role_keys(routing, config.ep)
+                routing.routers = sum(op.name == "aten.topk.default" for op in graph.ops[: graph.backward_start])
+                graph.meta.update(
+                    ep=config.ep,
+                    ep_plan=config.ep_plan,
+                    ep_state_param_shapes=state_shapes,
+                    ep_expert_shapes=expert_shapes,
+                    ep_expert_modules=expert_paths,
+                )
+                graph.meta["moe"] = routing.to_dict()
     graph.meta.update(
         precision=config.precision,
         batch_size=config.batch_size,
