@@ -141,6 +141,10 @@ def run(args) -> None:
     for flag, value in (("--gpus", args.gpus), ("--max-gpus", args.max_gpus)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be a positive integer, got {value}")
+    if args.cp > 1:
+        raise ValueError(
+            f"fit does not search context-parallel layouts yet; see every rank with memplan simulate --cp {args.cp}"
+        )
     if args.layouts or args.tp > 1 or args.pp > 1:
         if args.gpus:
             raise ValueError("--gpus asks for the largest batch on N GPUs; drop it to search layouts (--layouts)")

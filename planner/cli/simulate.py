@@ -35,7 +35,9 @@ def run(args) -> None:
         from planner.api import simulate_model, simulate_sweep
     if len(args.seq_len) == 1:
         config = config_from_args(args)
-        if config.tp > 1 or config.pp > 1:  # every rank of the layout; the worst one's timeline at the top level
+        if (
+            config.tp > 1 or config.cp > 1 or config.pp > 1
+        ):  # every rank of the layout; the worst one's timeline at the top level
             from planner.api import simulate_layout
 
             result = simulate_layout(args.model, config, args.plan, args.strategy).to_dict()
