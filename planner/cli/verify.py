@@ -25,12 +25,7 @@ def register(add) -> None:
 def run(args) -> None:
     if args.gpu != "cpu":
         raise ValueError(f"verify runs the real model on this machine's CPU; drop --gpu {args.gpu}")
-    if args.cp > 1:
-        raise ValueError(
-            "torch's context_parallel has no CPU kernel (_scaled_dot_product_flash_attention_for_cpu has no "
-            f"sharding strategy), so verify cannot run --cp on gloo; memplan simulate --cp {args.cp} traces it on fake tensors"
-        )
-    if args.tp > 1:
+    if args.tp > 1 or args.cp > 1:
         _run_layout(args)
         return
     with guarded_imports():

@@ -3,6 +3,8 @@
 Run inside a process group of ``dp · cp · tp`` ranks (gloo on CPU). Order, as torchtitan composes
 them: the TP plan (the same callable the fake-tensor trace applied), then a memplan plan
 (checkpointing), then ``fully_shard`` per block and root on the ``dp`` submesh with ``--zero 3``.
+With ``--cp`` every measured step runs inside torch's ``context_parallel`` with memplan's CPU route
+into torch's ring attention (planner/tracing/parallel/context_parallel.py), as the trace does.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import os
 import queue as queue_module
 import tempfile
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -27,6 +30,7 @@ from planner.runtime.shard import ShardedBytesTracker, measure_sharded_step, sha
 from planner.runtime.verify import Measurement
 from planner.tracing.blocks import find_region_paths
 from planner.tracing.hf import disable_kv_cache
+from planner.tracing.parallel.context_parallel import context_parallel_step
 from planner.tracing.parallel.tp_plans import resolve_tp_plan
 from planner.tracing.specs import resolve_spec
 
@@ -66,7 +70,7 @@ def _mesh(config: TrainConfig) -> DeviceMesh:
 
 def build_parallel_model(spec: str, config: TrainConfig, plan=None, seed: int = 0) -> tuple[nn.Module, object]:
     """(model, inputs) of this rank: built from `seed`, in the config's dtype, TP-sharded, with the
-    plan applied and, with ``--dp M --zero 3``, fully sharded over the dp submesh."""
+    plan applied and, with ``--zero 3``, fully sharded over the dp (× cp) submesh."""
     torch.manual_seed(seed)
     model, inputs = resolve_spec(spec).build(batch_size=config.batch_size, seq_len=config.seq_len)
     model.to(get_precision(config.precision).param_dtype)
@@ -76,14 +80,26 @@ def build_parallel_model(spec: str, config: TrainConfig, plan=None, seed: int = 
     resolve_tp_plan(config.tp_plan, config.sequence_parallel)(model, mesh["tp"])
     if plan is not None:
         apply_plan(model, plan)
-    if config.dp > 1 and config.zero_stage == 3:
-        shard_model(model, units, config, mesh=mesh["dp"])
+    if config.shard_ranks > 1 and config.zero_stage == 3:
+        shard_model(model, units, config, mesh=_shard_mesh(mesh, config))
     return model, inputs
+
+
+def _shard_mesh(mesh: DeviceMesh, config: TrainConfig) -> DeviceMesh:
+    """FSDP2's mesh: dp, or dp × cp flattened under context parallel (torchtitan's ``dp_shard_cp``)."""
+    return mesh["dp"] if config.cp == 1 else mesh["dp", "cp"]._flatten("dp_shard_cp")
 
 
 def measure_parallel_step(model: nn.Module, inputs, config: TrainConfig) -> Measurement:
     """This rank's peak live bytes over a steady-state step (after a warm-up; the lowest of a few)."""
     return measure_sharded_step(model, inputs, config, tracker=LocalBytesTracker)
+
+
+def _context_parallel(config: TrainConfig, inputs):
+    """The steps inside torch's context_parallel over the cp submesh (nothing when cp is 1)."""
+    if config.cp == 1:
+        return nullcontext()
+    return context_parallel_step(_mesh(config)["cp"], inputs, config.seq_len, config.cp_rotate)
 
 
 def _measure_worker(rank: int, world_size: int, init_file: str, payload: tuple, queue) -> None:
@@ -94,7 +110,8 @@ def _measure_worker(rank: int, world_size: int, init_file: str, payload: tuple, 
     try:
         plan = load_plan(plan) if plan is not None else None
         model, inputs = build_parallel_model(spec, config, plan)
-        queue.put((rank, measure_parallel_step(model, inputs, config).peak_bytes))
+        with _context_parallel(config, inputs):
+            queue.put((rank, measure_parallel_step(model, inputs, config).peak_bytes))
     finally:
         dist.destroy_process_group()
 
