@@ -18,7 +18,8 @@ sharding strategy, so ``context_parallel`` cannot run on CPU at all. memplan han
 torch's own ring functions with the CPU flash kernel as the per-step op (the same ``(out,
 logsumexp)`` shapes as CUDA's flash op): the ring's loop, exchange buffers and merges are torch's,
 on fake tensors under the fake process group. What autograd saves is the SDPA node's q, k, v, out
-and logsumexp, all local (``s / cp`` long).
+and logsumexp, all local (``s / cp`` long). Nothing here is fake-tensor specific: on real CPU
+tensors under gloo the same route runs context parallel for ``memplan verify --cp``.
 """
 
 from __future__ import annotations
