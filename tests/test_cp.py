@@ -201,6 +201,7 @@ GLOO_CASES = {
     "cp2-hf": (HF_LLAMA, {}),
     "cp2xtp2": ("llama-7b-tiny", {"tp": 2}),
     "cp2xfsdp2": ("llama-7b-tiny", {"dp": 2, "zero_stage": 3}),
+    "cp2xfsdp2-bf16": ("llama-7b-tiny", {"dp": 2, "zero_stage": 3, "precision": "bf16-mixed"}),
     "cp4-alltoall": ("llama-7b-tiny", {"cp": 4, "cp_rotate": "alltoall"}),
 }
 
