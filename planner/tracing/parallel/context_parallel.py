@@ -148,22 +148,22 @@ def context_parallel_step(
     cp_mesh: DeviceMesh, inputs: tuple | dict, seq_len: int, rotate_method: str = "allgather"
 ) -> Iterator[RingAttentionCalls]:
     """While inside: the sequence inputs hold this rank's shard and SDPA runs as torch's ring
-    attention over `cp_mesh` (inside the model's FakeTensorMode, under the fake process group).
+    attention over `cp_mesh` (fake tensors under the fake process group, or real ones under gloo).
     Yields the ring-attention call counts; the inputs are restored on exit. `rotate_method` is
     torch's ``set_rotate_method`` name (planner.config.CP_ROTATE_METHODS)."""
     from torch.distributed.tensor.experimental import context_parallel
 
-    options = memplan_compat.cp_options
-    rotate = type(options.rotate_method)
-    old_rotate = options.rotate_method
-    options.rotate_method = rotate.ALL_GATHER if rotate_method == "allgather" else rotate.ALL_TO_ALL
-    calls = RingAttentionCalls()
     buffers = sequence_buffers(inputs, seq_len)
     if not buffers:
         raise TraceError(
             f"context parallel shards the sequence of the model's inputs, and none is laid out [batch, {seq_len}, ...]; "
             "drop --cp or give the model token inputs of --seq-len"
         )
+    options = memplan_compat.cp_options
+    rotate = type(options.rotate_method)
+    old_rotate = options.rotate_method
+    options.rotate_method = rotate.ALL_GATHER if rotate_method == "allgather" else rotate.ALL_TO_ALL
+    calls = RingAttentionCalls()
     try:
         with context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers)):
             dispatcher = DTensor._op_dispatcher
