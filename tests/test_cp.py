@@ -231,3 +231,14 @@ def test_plan_for_the_worst_cp_rank_holds_on_every_gloo_rank():
     result = verify_layout("llama-7b-tiny", config, plan)
     assert all(m <= budget * 1.01 for m in result.measured_bytes), (result.measured_bytes, budget)
     assert max(abs(e) for e in result.errors) <= 0.01
+
+
+@pytest.mark.slow
+def test_seq_len_sweep_simulates_every_cp_rank(capsys):
+    argv = ["simulate", "--gpu", "cpu", "--model", "llama-7b-tiny", "--batch-size", str(B), "--cp", str(CP)]
+    code, stdout, err = run([*argv, "--seq-len", f"64,{S}"], capsys)
+    assert code == 0, err
+    swept = simulate_ranks("llama-7b-tiny", _config()).peak_bytes
+    from planner.units import format_bytes
+
+    assert format_bytes(swept) in stdout.splitlines()[3]  # the row of --seq-len S: the worst cp rank's peak
