@@ -21,6 +21,8 @@ __all__ = ["TESTED_TORCH", "PRIVATE_APIS"]
 TESTED_TORCH = ("2.13",)
 """torch releases (major.minor) the whole suite runs on; pyproject.toml pins the same range."""
 
+_CP_ATTENTION = "torch.distributed.tensor.experimental._context_parallel._attention"
+
 # name -> (module, attribute); attribute None: the module itself.
 PRIVATE_APIS: dict[str, tuple[str, str | None]] = {
     # tracing on fake tensors
@@ -57,6 +59,12 @@ PRIVATE_APIS: dict[str, tuple[str, str | None]] = {
     "all_to_all_single_autograd": ("torch.distributed._functional_collectives", "all_to_all_single_autograd"),
     "ShardingPropagator": ("torch.distributed.tensor._sharding_prop", "ShardingPropagator"),
     "FSDPMemTracker": ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker"),
+    # context parallel: torch's ring attention (forward, backward) and the DTensor spec its outputs carry
+    "templated_ring_attention": (_CP_ATTENTION, "_templated_ring_attention"),
+    "templated_ring_attention_backward": (_CP_ATTENTION, "_templated_ring_attention_backward"),
+    "cp_options": (_CP_ATTENTION, "_cp_options"),
+    "DTensorSpec": ("torch.distributed.tensor._dtensor_spec", "DTensorSpec"),
+    "TensorMeta": ("torch.distributed.tensor._dtensor_spec", "TensorMeta"),
 }
 
 

@@ -421,7 +421,7 @@ def check_plan_for_spec(spec: str, config: TrainConfig, plan_path: str) -> str:
 def _simulate_dict(args: tuple[str, TrainConfig, str | None, str]) -> dict:
     spec, config, plan, strategy = args
     torch.set_num_threads(1)
-    if config.pp > 1 or is_tensor_parallel(config):
+    if config.pp > 1 or is_tensor_parallel(config):  # every rank; the worst one's timeline at the top level
         return simulate_layout(spec, config, plan, strategy).to_dict()
     return simulate_model(spec, config, plan, strategy).to_dict()
 

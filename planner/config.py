@@ -7,7 +7,15 @@ from dataclasses import asdict, dataclass, replace
 from costmodels.hardware import get_device
 from costmodels.memory import check_optimizer, get_precision
 
-__all__ = ["DEFAULT_RESERVE", "DEFAULT_TIME_LIMIT_S", "MP_DTYPES", "PP_SCHEDULES", "V_SHAPED_SCHEDULES", "TrainConfig"]
+__all__ = [
+    "CP_ROTATE_METHODS",
+    "DEFAULT_RESERVE",
+    "DEFAULT_TIME_LIMIT_S",
+    "MP_DTYPES",
+    "PP_SCHEDULES",
+    "V_SHAPED_SCHEDULES",
+    "TrainConfig",
+]
 
 DEFAULT_RESERVE = 0.05  # fraction of the device kept free for the allocator and the CUDA context
 DEFAULT_TIME_LIMIT_S = 10.0  # CP-SAT's deterministic time limit per solve
@@ -27,6 +35,8 @@ PP_SCHEDULES = {
 }
 # Schedules whose rank r holds stages r and 2·pp−1−r (two stages per rank, V-shaped).
 V_SHAPED_SCHEDULES = ("zbv-zero-bubble", "dualpipev")
+# How context parallel's ring attention exchanges K/V (torch's set_rotate_method; allgather is its default).
+CP_ROTATE_METHODS = ("allgather", "alltoall")
 # Schedules that run one stage per rank.
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 
@@ -62,7 +72,8 @@ class TrainConfig:
     # Parallel layout, mesh order [pp, dp, cp, tp] as torchtitan. tp: tensor-parallel degree with
     # sequence parallel on (sequence_parallel), the loss computed on vocabulary-sharded logits under
     # torch's loss_parallel() (loss_parallel, torchtitan's default) and a sharding plan (tp_plan:
-    # "auto" or a PATH.py:FUNC / package.module:FUNC spec of FUNC(model, tp_mesh)); cp: context-parallel degree;
+    # "auto" or a PATH.py:FUNC / package.module:FUNC spec of FUNC(model, tp_mesh)); cp: context-parallel degree
+    # (torch's context_parallel; cp_rotate: how its ring attention exchanges K/V, see CP_ROTATE_METHODS);
     # ep: expert-parallel degree, borrowed from dp × cp, with ep_plan as tp_plan (FUNC(model, ep_mesh)).
     # pp: pipeline stages on pp ranks under pp_schedule; batch_size is one data-parallel replica's
     # batch, split into microbatches (None: pp); stages_per_rank (None: 2 for V-shaped schedules,
@@ -72,6 +83,7 @@ class TrainConfig:
     loss_parallel: bool = True
     tp_plan: str = "auto"
     cp: int = 1
+    cp_rotate: str = "allgather"
     ep: int = 1
     ep_plan: str = "auto"
     pp: int = 1
@@ -110,9 +122,17 @@ class TrainConfig:
         return self.pp * self.dp * self.cp * self.tp
 
     @property
+    def shard_ranks(self) -> int:
+        """Ranks that shard parameters, gradients and optimizer states under ZeRO / FSDP2: dp × cp
+        (torchtitan's ``dp_shard_cp`` mesh; a context-parallel rank holds the same model as its peers)."""
+        return self.dp * self.cp
+
+    @property
     def layout_flags(self) -> str:
-        """The tensor, expert and pipeline parallel flags of this layout ('--tp 2 --pp 4'), '' for data parallel."""
-        return " ".join(f"--{name} {getattr(self, name)}" for name in ("tp", "ep", "pp") if getattr(self, name) > 1)
+        """The tensor, context, expert and pipeline parallel flags of this layout ('--tp 2 --pp 4'), '' for data parallel."""
+        return " ".join(
+            f"--{name} {getattr(self, name)}" for name in ("tp", "cp", "ep", "pp") if getattr(self, name) > 1
+        )
 
     @property
     def num_microbatches(self) -> int:
@@ -140,10 +160,8 @@ class TrainConfig:
         for name in ("tp_plan", "ep_plan"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
                 raise ValueError(f"--{name.replace('_', '-')} must be auto, PATH.py:FUNC or package.module:FUNC")
-        if self.cp > 1:
-            raise ValueError(
-                "context parallel (--cp) is not modelled yet; memplan simulates --tp, --ep, --pp and --dp/--zero layouts"
-            )
+        if self.ep > 1 and self.cp > 1:
+            raise ValueError("--ep together with --cp is not simulated yet; drop --cp or --ep")
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
             raise ValueError(
                 f"--ep {self.ep} must divide --dp {self.dp} × --cp {self.cp}: expert parallel borrows its ranks "
@@ -153,6 +171,7 @@ class TrainConfig:
             raise ValueError("--ep together with --pp is not simulated yet; drop --pp or --ep")
         if self.ep > 1 and self.zero_stage in (1, 2):
             raise ValueError(f"--ep with --zero {self.zero_stage} is not modelled; use --zero 3 (FSDP2) or --zero 0")
+        self._check_context_parallel()
         if self.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"unknown --pp-schedule '{self.pp_schedule}'; use one of: {', '.join(PP_SCHEDULES)}")
         v = self.num_stages_per_rank
@@ -187,6 +206,24 @@ class TrainConfig:
                     f"--pp-split names {len(parts)} stages but --pp {self.pp} × --stages-per-rank {v} "
                     f"makes {self.pp * v}; give one block count per stage"
                 )
+
+    def _check_context_parallel(self) -> None:
+        """torch's context_parallel cuts the sequence into cp equal shards (2·cp chunks, load-balanced)."""
+        if self.cp_rotate not in CP_ROTATE_METHODS:
+            raise ValueError(f"unknown --cp-rotate {self.cp_rotate!r}; use one of: {', '.join(CP_ROTATE_METHODS)}")
+        if self.cp == 1:
+            return
+        if self.seq_len % self.cp:
+            raise ValueError(
+                f"--seq-len {self.seq_len} does not split into --cp {self.cp} equal shards; use a multiple of "
+                f"{2 * self.cp} (context parallel's load balancing cuts the sequence into 2·cp chunks)"
+            )
+        if self.pp > 1:
+            raise ValueError("--cp with --pp is not simulated yet; drop --cp or --pp")
+        if self.compile:
+            raise ValueError(
+                "--cp under --compile is not simulated (context parallel traces eager ring attention); drop one"
+            )
 
     def _check_fsdp(self) -> None:
         """FSDP2 options need ZeRO-3; mp_param_dtype picks the matching mixed precision preset."""
@@ -231,6 +268,7 @@ class TrainConfig:
             ("loss_parallel", True),
             ("tp_plan", "auto"),
             ("cp", 1),
+            ("cp_rotate", "allgather"),
             ("ep", 1),
             ("ep_plan", "auto"),
             ("pp", 1),

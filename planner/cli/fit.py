@@ -143,6 +143,10 @@ def run(args) -> None:
             raise ValueError(f"{flag} must be a positive integer, got {value}")
     if args.ep > 1:
         raise ValueError(f"fit does not search expert parallel yet; simulate it with memplan simulate --ep {args.ep}")
+    if args.cp > 1:
+        raise ValueError(
+            f"fit does not search context-parallel layouts yet; see every rank with memplan simulate --cp {args.cp}"
+        )
     if args.layouts or args.tp > 1 or args.pp > 1:
         if args.gpus:
             raise ValueError("--gpus asks for the largest batch on N GPUs; drop it to search layouts (--layouts)")

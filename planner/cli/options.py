@@ -7,7 +7,7 @@ import json
 
 from costmodels.hardware import DEVICES
 from costmodels.memory import OPTIMIZERS, PRECISIONS
-from planner.config import MP_DTYPES, PP_SCHEDULES, TrainConfig
+from planner.config import CP_ROTATE_METHODS, MP_DTYPES, PP_SCHEDULES, TrainConfig
 from planner.safe_io import clean, write_text
 
 __all__ = [
@@ -152,6 +152,12 @@ def add_layout_options(p: argparse.ArgumentParser) -> None:
         help="how the model is sharded: auto, or PATH.py:FUNC / package.module:FUNC, FUNC(model, tp_mesh)",
     )
     g.add_argument("--cp", type=positive_int, default=1, help="context-parallel degree (the sequence sharded)")
+    g.add_argument(
+        "--cp-rotate",
+        default="allgather",
+        choices=CP_ROTATE_METHODS,
+        help="how ring attention exchanges K/V under --cp (torch's set_rotate_method; default allgather)",
+    )
     g.add_argument("--ep", type=positive_int, default=1, help="expert-parallel degree, borrowed from dp × cp")
     g.add_argument(
         "--ep-plan",
@@ -209,6 +215,7 @@ def config_from_args(args, seq_len: int | None = None) -> TrainConfig:
         loss_parallel=args.loss_parallel,
         tp_plan=args.tp_plan,
         cp=args.cp,
+        cp_rotate=args.cp_rotate,
         ep=args.ep,
         ep_plan=args.ep_plan,
         pp=args.pp,

@@ -36,7 +36,7 @@ def run(args) -> None:
     if len(args.seq_len) == 1:
         config = config_from_args(args)
         if (
-            config.tp > 1 or config.ep > 1 or config.pp > 1
+            config.tp > 1 or config.cp > 1 or config.ep > 1 or config.pp > 1
         ):  # every rank of the layout; the worst one's timeline at the top level
             from planner.api import simulate_layout
 

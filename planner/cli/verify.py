@@ -25,7 +25,7 @@ def register(add) -> None:
 def run(args) -> None:
     if args.gpu != "cpu":
         raise ValueError(f"verify runs the real model on this machine's CPU; drop --gpu {args.gpu}")
-    if args.tp > 1 or args.ep > 1:
+    if args.tp > 1 or args.cp > 1 or args.ep > 1:
         _run_layout(args)
         return
     with guarded_imports():

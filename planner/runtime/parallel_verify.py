@@ -2,10 +2,12 @@
 
 Run inside a process group of ``dp · cp · tp`` ranks (gloo on CPU). Order, as torchtitan composes
 them: the TP plan and the EP plan (the same callables the fake-tensor trace applied), then a
-memplan plan (checkpointing), then ``fully_shard`` per block and root on the ``dp`` submesh with
-``--zero 3`` (under expert parallel each experts module first, on the ``dp / ep`` ranks that hold
-the same experts). Under expert parallel the step routes tokens as the trace assumed
-(planner/runtime/routing.py), so each rank receives the rows its prediction is for.
+memplan plan (checkpointing), then ``fully_shard`` per block and root on the ``dp`` (× ``cp``)
+submesh with ``--zero 3`` (under expert parallel each experts module first, on the ``dp / ep``
+ranks that hold the same experts). Under expert parallel the step routes tokens as the trace
+assumed (planner/runtime/routing.py), so each rank receives the rows its prediction is for. With
+``--cp`` every measured step runs inside torch's ``context_parallel`` with memplan's CPU route
+into torch's ring attention (planner/tracing/parallel/context_parallel.py), as the trace does.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from planner.runtime.shard import ShardedBytesTracker, fsdp_kwargs, measure_shar
 from planner.runtime.verify import Measurement
 from planner.tracing.blocks import find_region_paths
 from planner.tracing.hf import disable_kv_cache
+from planner.tracing.parallel.context_parallel import context_parallel_step
 from planner.tracing.parallel.ep_plans import resolve_ep_plan
 from planner.tracing.parallel.rank_trace import ep_mesh
 from planner.tracing.parallel.tp_plans import tp_plan_for
@@ -74,7 +77,7 @@ def _mesh(config: TrainConfig) -> DeviceMesh:
 
 def build_parallel_model(spec: str, config: TrainConfig, plan=None, seed: int = 0) -> tuple[nn.Module, object]:
     """(model, inputs) of this rank: built from `seed`, in the config's dtype, TP-sharded, with the
-    plan applied and, with ``--dp M --zero 3``, fully sharded over the dp submesh."""
+    plan applied and, with ``--zero 3``, fully sharded over the dp (× cp) submesh."""
     torch.manual_seed(seed)
     model, inputs = resolve_spec(spec).build(batch_size=config.batch_size, seq_len=config.seq_len)
     model.to(get_precision(config.precision).param_dtype)
@@ -90,11 +93,16 @@ def build_parallel_model(spec: str, config: TrainConfig, plan=None, seed: int = 
         experts = sorted({n.rpartition(".")[0] for n, p in model.named_parameters() if isinstance(p, DTensor)})
     if plan is not None:
         apply_plan(model, plan)
-    if config.dp > 1 and config.zero_stage == 3:
+    if config.shard_ranks > 1 and config.zero_stage == 3:
         for path in experts:  # torchtitan: the experts over the dp / ep ranks holding the same ones, first
             fully_shard(model.get_submodule(path), mesh=sparse["edp"], **fsdp_kwargs(config))
-        shard_model(model, units, config, mesh=mesh["dp"])
+        shard_model(model, units, config, mesh=_shard_mesh(mesh, config))
     return model, inputs
+
+
+def _shard_mesh(mesh: DeviceMesh, config: TrainConfig) -> DeviceMesh:
+    """FSDP2's mesh: dp, or dp × cp flattened under context parallel (torchtitan's ``dp_shard_cp``)."""
+    return mesh["dp"] if config.cp == 1 else mesh["dp", "cp"]._flatten("dp_shard_cp")
 
 
 def measure_parallel_step(model: nn.Module, inputs, config: TrainConfig) -> Measurement:
@@ -102,6 +110,13 @@ def measure_parallel_step(model: nn.Module, inputs, config: TrainConfig) -> Meas
     routed as the trace assumes under expert parallel."""
     with assumed_routing(config.moe_imbalance) if config.ep > 1 else nullcontext():
         return measure_sharded_step(model, inputs, config, tracker=LocalBytesTracker)
+
+
+def _context_parallel(config: TrainConfig, inputs):
+    """The steps inside torch's context_parallel over the cp submesh (nothing when cp is 1)."""
+    if config.cp == 1:
+        return nullcontext()
+    return context_parallel_step(_mesh(config)["cp"], inputs, config.seq_len, config.cp_rotate)
 
 
 def _measure_worker(rank: int, world_size: int, init_file: str, payload: tuple, queue) -> None:
@@ -112,7 +127,8 @@ def _measure_worker(rank: int, world_size: int, init_file: str, payload: tuple, 
     try:
         plan = load_plan(plan) if plan is not None else None
         model, inputs = build_parallel_model(spec, config, plan)
-        queue.put((rank, measure_parallel_step(model, inputs, config).peak_bytes))
+        with _context_parallel(config, inputs):
+            queue.put((rank, measure_parallel_step(model, inputs, config).peak_bytes))
     finally:
         dist.destroy_process_group()
 

@@ -170,7 +170,7 @@ def step_communication(graph: OpGraph, times: np.ndarray, config: TrainConfig, d
     reshard (`reshard_after_forward=N`) is priced as a full one: its backward all-gather stays in
     the node but moves the same bytes.
     """
-    dp = config.dp
+    dp = config.shard_ranks  # ZeRO / FSDP2 groups span dp × cp (torchtitan's dp_shard_cp)
     if dp == 1:
         return CommSchedule(float(times.sum()), 0.0, 0.0)
     if config.zero_stage == 3:
@@ -182,10 +182,10 @@ def step_communication(graph: OpGraph, times: np.ndarray, config: TrainConfig, d
             device=device,
             reduce_bytes_per_gathered_byte=reduce_itemsize / gathered_itemsize,
             reshard_after_forward=config.reshard_after_forward is not False,
-            stride=config.cp * config.tp,
+            stride=config.tp,
         )
     grad_bytes = sum(t.nbytes for t in graph.tensors.values() if t.category == "gradient")
-    stride = config.cp * config.tp
+    stride = config.tp  # consecutive members of a dp × cp group are tp ranks apart
     comm = 2 * collective_time_s(grad_bytes, dp, device, stride)
     last_bucket = 2 * collective_time_s(min(grad_bytes, DDP_BUCKET_BYTES), dp, device, stride)
     backward_s = float(times[graph.backward_start :].sum())

@@ -119,7 +119,9 @@ def model_states_for(graph: OpGraph, config: TrainConfig) -> ModelStates:
     shapes = graph.param_shapes
     if config.zero_stage == 3 and "ep_state_param_shapes" in graph.meta:  # experts sharded over ep, then dp/ep
         shapes = [tuple(s) for s in graph.meta["ep_state_param_shapes"]]
-    states = model_state_bytes(shapes, precision, config.optimizer, config.zero_stage, config.dp, foreach=foreach)
+    states = model_state_bytes(
+        shapes, precision, config.optimizer, config.zero_stage, config.shard_ranks, foreach=foreach
+    )
     if config.cpu_offload:  # FSDP2 CPUOffloadPolicy: sharded states and the optimizer step live on the host
         return replace(states, parameter=0, gradient=0, optimizer=0, optimizer_step_temporary=0)
     return states

@@ -246,13 +246,13 @@ def fsdp_buffers(graph: OpGraph, config: TrainConfig, gradient_scale: float) -> 
     gradient it counts from the op that produces it); until the unit's reduce-scatter the
     difference to the unsharded gradient is added here. Kept while the graph lives (read-only).
     """
-    if config.dp == 1 or config.zero_stage < 3:
+    if config.shard_ranks == 1 or config.zero_stage < 3:
         return {}
     return memo("fsdp_buffers", graph, (config, gradient_scale), lambda: _fsdp_buffers(graph, config, gradient_scale))
 
 
 def _fsdp_buffers(graph: OpGraph, config: TrainConfig, gradient_scale: float) -> dict[int, dict[str, int]]:
-    dp = config.dp
+    dp = config.shard_ranks  # FSDP2 shards over dp × cp (torchtitan's dp_shard_cp mesh)
     units = fsdp_units(graph, dp)
     root = len(units) - 1
     raf = config.reshard_after_forward

@@ -126,7 +126,7 @@ def _block_transients(graph: OpGraph, config: TrainConfig, scale: dict[str, floa
     and they are reduce-scattered in one bucket per block, with no buffer of its own (the simulator
     counts their sharded part); ZeRO-1 shards only optimizer states and adds nothing here.
     """
-    if config.dp == 1 or config.zero_stage < 2:
+    if config.shard_ranks == 1 or config.zero_stage < 2:
         return {}
     if config.zero_stage >= 3:
         return fsdp_buffers(graph, config, scale["gradient"])

@@ -130,7 +130,11 @@ def block_options(
     options = [BlockOption("keep", None), BlockOption("recompute", SpanChoice(span, "recompute"))]
     uncacheable = graph.uncacheable_ops()  # outputs mutated later: selective keeps recompute them
     producers = {i: n for i, n in saved_producers(graph, span).items() if i not in uncacheable}
-    if len(producers) > 1:
+    # Under context parallel the trace records ring attention's local ops, which differ by cp rank
+    # and which a selective-checkpoint policy does not see (it sees the one SDPA op DTensor
+    # dispatches): an op key would name different ops on different ranks. Whole modules only.
+    op_level = graph.meta.get("cp", 1) == 1
+    if op_level and len(producers) > 1:
         # Keep first what costs the most time per byte it would free (matmuls, attention).
         ranked = sorted(producers, key=lambda i: (-times[i] / max(producers[i], 1), i))
         counts = sorted({max(1, round(k * len(ranked) / max_selective)) for k in range(1, max_selective + 1)})
@@ -144,7 +148,7 @@ def block_options(
         ("megatron-selective", attention_core_choice(graph, span)),
     )
     for name, choice in known:  # the known policies (solver.policies), so the solver never loses to one
-        if choice is not None and choice.keep_ops:
+        if op_level and choice is not None and choice.keep_ops:
             options.append(BlockOption(name, choice))
     for child in _child_spans(graph, span.path):
         if saved_producers(graph, child):

@@ -4,7 +4,9 @@ PyTorch's own sharding makes the per-rank graph: the model builds on fake tensor
 shards it over the ``tp`` dimension of a ``[dp, cp, tp]`` DeviceMesh (``parallelize_module`` or
 the model's own plan), and the recorder traces forward, loss and backward of this rank: local
 shards, sequence parallel's all-gather and reduce-scatter outputs, DTensor's redistributions and
-the loss. FSDP2 is not applied here (``fully_shard`` over TP shards fails on fake tensors): the
+the loss. With ``cp > 1`` the step runs inside torch's ``context_parallel`` over the ``cp``
+dimension (planner/tracing/parallel/context_parallel.py): the inputs hold this rank's share of the
+sequence and attention runs as torch's ring attention. FSDP2 is not applied here (``fully_shard`` over TP shards fails on fake tensors): the
 simulator models its buffers over the local shards the trace holds. Pipeline stages are another
 module's concern: the fake group spans one stage's ``dp · cp · tp`` ranks.
 
@@ -32,12 +34,21 @@ from planner.errors import TraceError
 from planner.tracing.fake_build import fake_model
 from planner.tracing.graph import OpGraph
 from planner.tracing.moe import RoutingAssumption, routed_indices
+from planner.tracing.parallel.context_parallel import context_parallel_step
 from planner.tracing.parallel.ep_plans import EpPlan, resolve_ep_plan
 from planner.tracing.parallel.tp_plans import TpPlan, step_context, tp_plan_for
 from planner.tracing.recorder import cast_parameters, trace_model
 from planner.tracing.specs import ModelSpec, resolve_spec
 
-__all__ = ["ep_mesh", "ep_role_keys", "fake_process_group", "layout_mesh", "tp_role_keys", "trace_tp_rank"]
+__all__ = [
+    "ep_mesh",
+    "ep_role_keys",
+    "fake_process_group",
+    "layout_mesh",
+    "stage_rank",
+    "tp_role_keys",
+    "trace_tp_rank",
+]
 
 
 def _clear_sharding_caches() -> None:
@@ -111,11 +122,17 @@ def _local_shape(p: torch.Tensor, tp_index: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def stage_rank(config: TrainConfig, cp_index: int, tp_index: int) -> int:
+    """The rank of data-parallel index 0 at (`cp_index`, `tp_index`) in one stage's ``[dp, cp, tp]`` mesh."""
+    return cp_index * config.tp + tp_index
+
+
 def tp_role_keys(model: nn.Module, config: TrainConfig) -> list[tuple]:
     """One key per TP index: its local parameter shapes and (with sequence parallel) its share of
-    the sequence. TP indices with equal keys run the same local step (one role)."""
+    the (context-parallel local) sequence. TP indices with equal keys run the same local step (one role)."""
+    local_seq = config.seq_len // config.cp
     seq_share = [
-        int(Shard.local_shard_size_and_offset(config.seq_len, config.tp, i)[0]) if config.sequence_parallel else 0
+        int(Shard.local_shard_size_and_offset(local_seq, config.tp, i)[0]) if config.sequence_parallel else 0
         for i in range(config.tp)
     ]
     params = list(model.parameters())
@@ -139,7 +156,8 @@ def trace_tp_rank(
     ep_plan: EpPlan | None = None,
 ) -> tuple[OpGraph, list[tuple]]:
     """(graph of global rank `rank` within one pipeline stage, role key of every TP index, or of
-    every EP index under expert parallel)."""
+    every EP index under expert parallel). Under context parallel the graph is that rank's cp
+    index's: its ring steps differ by cp index."""
     model_spec = resolve_spec(spec) if isinstance(spec, str) else spec
     plan = plan or tp_plan_for(config)
     if config.ep > 1:
@@ -165,7 +183,7 @@ def trace_tp_rank(
                     {n.rpartition(".")[0] for n, p in model.named_parameters() if isinstance(p, DTensor)}
                 )
             keys = tp_role_keys(model, config)
-            with step_context(config):
+            with step_context(config), _context_parallel(config, mesh, inputs, model_spec.name):
                 graph = trace_model(
                     model,
                     inputs,
@@ -195,4 +213,22 @@ def trace_tp_rank(
         tp_plan=config.tp_plan,
         rank=rank,
     )
+    if config.cp > 1:
+        graph.meta.update(cp=config.cp, cp_index=rank // config.tp % config.cp, cp_rotate=config.cp_rotate)
     return graph, keys
+
+
+@contextmanager
+def _context_parallel(config: TrainConfig, mesh: DeviceMesh, inputs, name: str) -> Iterator[None]:
+    """The step inside torch's context_parallel over the mesh's cp dimension (nothing when cp is 1);
+    a TraceError when the model ran no scaled_dot_product_attention for it to shard."""
+    if config.cp == 1:
+        yield
+        return
+    with context_parallel_step(mesh["cp"], inputs, config.seq_len, config.cp_rotate) as calls:
+        yield
+    if calls.forward == 0:
+        raise TraceError(
+            f"model '{name}' calls no torch.nn.functional.scaled_dot_product_attention, which is what context "
+            "parallel shards; drop --cp, or use a model with SDPA attention (transformers: attn_implementation='sdpa')"
+        )

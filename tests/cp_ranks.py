@@ -1,0 +1,53 @@
+"""Test-only: torch's ring attention, through memplan's CPU route, on real CPU gloo ranks against
+one process's full attention (the same route the context-parallel trace records)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from planner.runtime.parallel_verify import run_on_gloo_ranks
+from planner.tracing.parallel.context_parallel import context_parallel_step
+
+B, H, S, D = 2, 4, 64, 16
+
+
+def _worker(rank: int, world_size: int, init_file: str, rotate: str, queue) -> None:
+    """Shard q, k, v and the output gradient as context_parallel shards its buffers (load-balanced),
+    run causal SDPA forward and backward inside it, and compare with this rank's rows of the full run."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+        torch.manual_seed(0)
+        full = [torch.randn(B, H, S, D) for _ in range(4)]  # q, k, v, grad of the output
+        ref = [t.clone().requires_grad_() for t in full[:3]]
+        (F.scaled_dot_product_attention(*ref, is_causal=True) * full[3]).sum().backward()
+        # context_parallel shards [batch, seq, ...] buffers: hand it (b, s, h, d) views' copies, and
+        # keep the original positions along to pick the reference rows
+        positions = torch.arange(S).expand(B, S).contiguous()
+        buffers = [t.transpose(1, 2).contiguous() for t in full] + [positions]
+        with context_parallel_step(mesh, tuple(buffers), S, rotate) as calls:
+            q, k, v = (b.transpose(1, 2).detach().clone().requires_grad_() for b in buffers[:3])
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            (out * buffers[3].transpose(1, 2)).sum().backward()
+            mine = buffers[4][0].clone()  # this rank's global positions (head-tail load-balanced)
+        rows = [
+            (out, F.scaled_dot_product_attention(*[t.detach() for t in ref], is_causal=True)),
+            (q.grad, ref[0].grad),
+            (k.grad, ref[1].grad),  # the ring brings dK/dV back to the rank that owns K/V
+            (v.grad, ref[2].grad),
+        ]
+        error = max(float((got - want[:, :, mine]).abs().max()) for got, want in rows)
+        queue.put((rank, error, calls.forward, calls.backward, mine.tolist()))
+    finally:
+        dist.destroy_process_group()
+
+
+def ring_attention_errors(world_size: int, rotate: str = "allgather") -> list[tuple]:
+    """(rank, largest |error| of out, dQ, dK and dV against full attention, ring calls forward, backward,
+    the rank's global positions) for every rank."""
+    return sorted(run_on_gloo_ranks(_worker, world_size, rotate, timeout_s=300))

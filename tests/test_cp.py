@@ -1,0 +1,244 @@
+"""Context parallel (--cp): every rank's step traced on fake tensors inside torch's own
+``context_parallel`` and ring attention. torch has no CPU kernel for it: the shapes and bytes are
+checked against hand counts on fake tensors; the gloo tests run the same code on real ranks through
+memplan's CPU route into torch's ring attention (numerics against full attention, measured peaks)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch.nn.functional as F
+from cli_helpers import assert_user_error, run
+
+from planner.config import TrainConfig
+from planner.simulation.layout import simulate_ranks
+from planner.tracing.parallel.rank_trace import trace_tp_rank
+from planner.tracing.recorder import trace
+
+HERE = Path(__file__).parent
+HF_LLAMA = f"hf:{HERE / 'data' / 'tiny_llama' / 'config.json'}"  # 4 query / 2 key-value heads, GQA in SDPA
+B, S, CP = 2, 128, 2
+LAYERS, HEADS, HEAD_DIM, HIDDEN = 2, 4, 32, 128  # llama-7b-tiny
+F32 = 4
+SDPA = F.scaled_dot_product_attention
+
+
+def _config(**layout) -> TrainConfig:
+    return TrainConfig(batch_size=B, seq_len=S, gpu="cpu", **{"cp": CP, **layout})
+
+
+def _collectives(graph) -> Counter:
+    """(phase, collective, bytes of its output) -> how many ran."""
+    out = Counter()
+    for op in graph.ops:
+        if op.name.startswith("_c10d_functional.") and op.allocs:
+            kind = op.name.split(".")[1]
+            out[(op.phase, kind, sum(graph.tensors[t].nbytes for t in op.allocs))] += 1
+    return out
+
+
+def _activation_bytes(graph) -> int:
+    return sum(t.nbytes for t in graph.tensors.values() if t.category == "activation")
+
+
+def test_each_cp_rank_saves_its_share_and_exchanges_kv_through_the_ring():
+    local = S // CP
+    kv_bytes = 2 * B * HEADS * local * HEAD_DIM * F32  # this rank's K and V, concatenated
+    single = trace("llama-7b-tiny", batch_size=B, seq_len=local, lifetimes=False)
+    ranks = [trace_tp_rank("llama-7b-tiny", _config(), rank=r, lifetimes=False)[0] for r in range(CP)]
+    for graph in ranks:
+        # ring attention as torch runs it: one all-gather of every rank's K/V per attention in forward
+        # and again in backward; dK/dV rotate by all-to-all once per ring step (fp32 accumulators)
+        assert _collectives(graph) == {
+            ("forward", "all_gather_into_tensor", CP * kv_bytes): LAYERS,
+            ("backward", "all_gather_into_tensor", CP * kv_bytes): LAYERS,
+            ("backward", "all_to_all_single", kv_bytes): CP * LAYERS,
+        }
+        # every ring step's flash call sees the local queries (s/cp) or, load-balanced, half of them
+        flash = [op for op in graph.ops if op.name == "aten._scaled_dot_product_flash_attention_for_cpu.default"]
+        assert len(flash) == CP * LAYERS
+        assert {graph.tensors[op.allocs[0]].shape for op in flash} <= {
+            (B, HEADS, local, HEAD_DIM),
+            (B, HEADS, local // 2, HEAD_DIM),
+        }
+        # the sharded inputs keep their full storage (context_parallel resizes them in place)
+        inputs = [t for t in graph.tensors.values() if t.alloc_op < 0 and t.category == "activation"]
+        assert inputs and all(t.shape == (B, local) and t.nbytes == B * S * 8 for t in inputs)
+        assert len(inputs) == 2  # token ids (the embedding's backward) and labels (the loss's)
+    input_growth = 2 * B * (S - local) * 8
+    # the last cp rank saves what one rank saves at s/cp: q, k, v, out and logsumexp all local
+    assert _activation_bytes(ranks[1]) == _activation_bytes(single) + input_growth
+    # rank 0's second ring step updates half of the output (torch.cat): the merged output is then
+    # contiguous (batch, heads, seq, dim), and o_proj's input becomes a copy saved in every layer
+    assert _activation_bytes(ranks[0]) == _activation_bytes(ranks[1]) + LAYERS * B * local * HIDDEN * F32
+
+
+def test_alltoall_rotation_permutes_kv_at_every_ring_step():
+    graph = trace_tp_rank("llama-7b-tiny", _config(cp_rotate="alltoall"), rank=0, lifetimes=False)[0]
+    kv_bytes = 2 * B * HEADS * (S // CP) * HEAD_DIM * F32
+    collectives = _collectives(graph)
+    assert collectives[("forward", "all_to_all_single", kv_bytes)] == (CP - 1) * LAYERS
+    assert not any(kind == "all_gather_into_tensor" for _, kind, _ in collectives)
+    assert F.scaled_dot_product_attention is SDPA  # context_parallel's patch (and memplan's guard) undone
+    from memplan_compat import cp_options
+
+    assert cp_options.rotate_method.name == "ALL_GATHER"  # torch's default is back
+    assert not dist.is_initialized()
+
+
+@pytest.mark.slow
+def test_hf_llama_ring_exchanges_only_the_key_value_heads():
+    local, kv_heads = S // CP, 2
+    kv_bytes = 2 * B * kv_heads * local * HEAD_DIM * F32  # transformers calls SDPA with enable_gqa
+    graph = trace_tp_rank(HF_LLAMA, _config(), rank=1, lifetimes=False)[0]
+    assert _collectives(graph)[("forward", "all_gather_into_tensor", CP * kv_bytes)] == LAYERS
+    single = trace(HF_LLAMA, batch_size=B, seq_len=local, lifetimes=False)
+    saved_ids = B * (S - local) * 8  # the embedding saves the token ids, whose storage stays full
+    assert _activation_bytes(graph) == _activation_bytes(single) + saved_ids
+
+
+@pytest.mark.slow
+def test_cp_with_tp_shards_heads_and_sequence():
+    local = S // CP
+    layout = simulate_ranks("llama-7b-tiny", _config(tp=2)).to_dict()
+    assert [r["ranks"] for r in layout["ranks"]] == [[0, 1], [2, 3]]
+    assert [r["coords"]["cp"] for r in layout["ranks"]] == [0, 1]
+    graph = trace_tp_rank("llama-7b-tiny", _config(tp=2), rank=2, lifetimes=False)[0]
+    kv_bytes = 2 * B * (HEADS // 2) * local * HEAD_DIM * F32
+    assert _collectives(graph)[("forward", "all_gather_into_tensor", CP * kv_bytes)] == LAYERS
+    norms = [graph.tensors[t].shape for op in graph.ops if op.module == "layers.0.attn_norm" for t in op.allocs]
+    assert (B, local // 2, HIDDEN) in norms  # sequence parallel splits the cp-local sequence again
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_over_dp_times_cp():
+    from planner.api import simulate_model
+
+    layout = simulate_ranks("llama-7b-tiny", _config(dp=2, zero_stage=3)).to_dict()
+    assert [r["ranks"] for r in layout["ranks"]] == [[0, 2], [1, 3]]
+    four = simulate_model("llama-7b-tiny", TrainConfig(batch_size=B, seq_len=S, dp=4, zero_stage=3)).to_dict()
+    assert layout["model_states"] == four["model_states"]  # torchtitan's dp_shard_cp: 4 shards
+
+
+@pytest.mark.slow
+def test_cli_json_lists_every_cp_rank_and_names_the_worst(capsys, tmp_path):
+    out = tmp_path / "cp.json"
+    argv = ["simulate", "--gpu", "cpu", "--model", "llama-7b-tiny", "--batch-size", str(B), "--seq-len", str(S)]
+    code, stdout, err = run([*argv, "--cp", "4", "--json", str(out)], capsys)
+    assert code == 0, err
+    result = json.loads(out.read_text())
+    assert [r["ranks"] for r in result["ranks"]] == [[0], [1], [2], [3]]
+    assert [r["coords"]["cp"] for r in result["ranks"]] == [0, 1, 2, 3]
+    peaks = [r["peak_bytes"] for r in result["ranks"]]
+    assert result["peak_bytes"] == max(peaks) and result["worst_rank"] == peaks.index(max(peaks))
+    assert f"worst rank {result['worst_rank']}" in stdout
+    assert result["layout"]["cp"] == 4 and result["layout"]["world_size"] == 4
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (
+            ["simulate", "--model", "llama-7b-tiny", "--seq-len", "130", "--cp", "4"],
+            ("does not split", "multiple of 8"),
+        ),
+        (["simulate", "--model", "mlp-tiny", "--seq-len", "16", "--cp", "2"], ("scaled_dot_product_attention",)),
+        (["simulate", "--model", "kwargs-tiny", "--seq-len", "64", "--cp", "2"], ("no attn_mask", "is_causal=True")),
+        (["simulate", "--model", "llama-7b-tiny", "--seq-len", "64", "--cp", "2", "--pp", "2"], ("--cp with --pp",)),
+        (
+            [
+                "plan",
+                "--model",
+                "llama-7b-tiny",
+                "--seq-len",
+                "64",
+                "--cp",
+                "2",
+                "--compile",
+                "--budget",
+                "1GB",
+                "--out",
+                "unused.json",
+            ],
+            ("--compile",),
+        ),
+        (["fit", "--model", "llama-7b-tiny", "--seq-len", "64", "--cp", "2"], ("simulate --cp 2",)),
+    ],
+)
+def test_cp_errors_are_one_line(capsys, argv, needles):
+    code, _, err = run([argv[0], "--gpu", "cpu", *argv[1:]], capsys)
+    assert_user_error(code, err, argv[0], *needles)
+    assert not dist.is_initialized()
+
+
+# ---------------------------------------------------------------------------------------- gloo ranks
+# torch has no CPU kernel for context_parallel; memplan's one DTensor handler routes the CPU flash op
+# into torch's own ring functions, so the same code the trace records runs on real gloo ranks too.
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("rotate", ["allgather", "alltoall"])
+def test_ring_attention_on_gloo_ranks_matches_full_attention(rotate):
+    from cp_ranks import S, ring_attention_errors
+
+    results = ring_attention_errors(2, rotate)
+    assert [r[0] for r in results] == [0, 1]
+    for _, error, forward, backward, _ in results:
+        assert error < 1e-5 and forward == 1 and backward == 1
+    # head-tail load balancing: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2 (of S/4 each)
+    quarter = S // 4
+    assert results[0][4] == list(range(quarter)) + list(range(3 * quarter, S))
+    assert results[1][4] == list(range(quarter, 3 * quarter))
+
+
+GLOO_CASES = {
+    "cp2": ("llama-7b-tiny", {}),
+    "cp2-hf": (HF_LLAMA, {}),
+    "cp2xtp2": ("llama-7b-tiny", {"tp": 2}),
+    "cp2xfsdp2": ("llama-7b-tiny", {"dp": 2, "zero_stage": 3}),
+    "cp2xfsdp2-bf16": ("llama-7b-tiny", {"dp": 2, "zero_stage": 3, "precision": "bf16-mixed"}),
+    "cp4-alltoall": ("llama-7b-tiny", {"cp": 4, "cp_rotate": "alltoall"}),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(GLOO_CASES))
+def test_per_rank_peak_matches_gloo_ranks(case):
+    """Every rank's predicted peak within 1% of its measured one (memplan verify --cp)."""
+    from planner.api import verify_layout
+
+    spec, layout = GLOO_CASES[case]
+    result = verify_layout(spec, _config(**layout))
+    assert max(abs(e) for e in result.errors) <= 0.01, (result.predicted_bytes, result.measured_bytes)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_plan_for_the_worst_cp_rank_holds_on_every_gloo_rank():
+    from planner.api import plan_model, verify_layout
+
+    config = _config()
+    budget = int(0.95 * simulate_ranks("llama-7b-tiny", config).peak_bytes)
+    plan, _, _ = plan_model("llama-7b-tiny", config, budget, time_limit_s=5.0)
+    # whole modules only: an op key would name different ring ops on different cp ranks
+    assert plan.decisions and all(d.op is None for d in plan.decisions)
+    result = verify_layout("llama-7b-tiny", config, plan)
+    assert all(m <= budget * 1.01 for m in result.measured_bytes), (result.measured_bytes, budget)
+    assert max(abs(e) for e in result.errors) <= 0.01
+
+
+@pytest.mark.slow
+def test_seq_len_sweep_simulates_every_cp_rank(capsys):
+    argv = ["simulate", "--gpu", "cpu", "--model", "llama-7b-tiny", "--batch-size", str(B), "--cp", str(CP)]
+    code, stdout, err = run([*argv, "--seq-len", f"64,{S}"], capsys)
+    assert code == 0, err
+    swept = simulate_ranks("llama-7b-tiny", _config()).peak_bytes
+    from planner.units import format_bytes
+
+    assert format_bytes(swept) in stdout.splitlines()[3]  # the row of --seq-len S: the worst cp rank's peak
