@@ -77,6 +77,23 @@ def test_each_cp_rank_saves_its_share_and_exchanges_kv_through_the_ring():
     assert _activation_bytes(ranks[0]) == _activation_bytes(ranks[1]) + LAYERS * B * local * HIDDEN * F32
 
 
+def test_a_gpu_target_runs_torchs_own_ring_with_the_gpu_kernel():
+    """On an H100 target the trace runs the CUDA flash op (planner/tracing/attention.py), which
+    torch's own context_parallel handler sends around the ring; it saves what the CPU route saves."""
+    saved, names = {}, {}
+    for gpu in ("cpu", "h100-80gb"):
+        config = TrainConfig(batch_size=2, seq_len=128, cp=2, gpu=gpu, precision="bf16-mixed")
+        graph, _ = trace_tp_rank("llama-7b-tiny", config, rank=0, lifetimes=False)
+        names[gpu] = {op.name for op in graph.ops if "scaled_dot_product" in op.name}
+        saved[gpu] = sum(t.nbytes for t in graph.tensors.values() if t.saved and t.category == "activation")
+    assert names["h100-80gb"] == {
+        "aten._scaled_dot_product_flash_attention.default",
+        "aten._scaled_dot_product_flash_attention_backward.default",
+    }
+    assert all("for_cpu" in n for n in names["cpu"])
+    assert saved["h100-80gb"] == saved["cpu"] > 0
+
+
 def test_alltoall_rotation_permutes_kv_at_every_ring_step():
     graph = trace_tp_rank("llama-7b-tiny", _config(cp_rotate="alltoall"), rank=0, lifetimes=False)[0]
     kv_bytes = 2 * B * HEADS * (S // CP) * HEAD_DIM * F32

@@ -13,7 +13,9 @@
   ``set_rotate_method("alltoall")`` for a permute per step), each step's out and logsumexp merge
   in fp32, and backward exchanges K/V again and rotates dK/dV (all-to-all) around the ring.
 
-On CPU SDPA dispatches to ``_scaled_dot_product_flash_attention_for_cpu``, which has no DTensor
+For a GPU target the trace runs the target's kernel op (planner/tracing/attention.py), which
+torch's own handlers send to ring attention with that kernel as the per-step op. On a CPU target
+SDPA dispatches to ``_scaled_dot_product_flash_attention_for_cpu``, which has no DTensor
 sharding strategy, so ``context_parallel`` cannot run on CPU at all. memplan hands that op pair to
 torch's own ring functions with the CPU flash kernel as the per-step op (the same ``(out,
 logsumexp)`` shapes as CUDA's flash op): the ring's loop, exchange buffers and merges are torch's,
@@ -43,6 +45,12 @@ _SEQ_DIM = 2  # q, k, v are (batch, heads, seq, head_dim); torch's ring hardcode
 _aten = torch.ops.aten
 _FORWARD = _aten._scaled_dot_product_flash_attention_for_cpu.default
 _BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+# The GPU kernels' ops, which torch's context_parallel itself sends to ring attention.
+_TORCH_RING_OPS = frozenset(
+    getattr(_aten, f"_scaled_dot_product_{kernel}_attention{part}").default
+    for kernel in ("flash", "efficient", "cudnn")
+    for part in ("", "_backward")
+)
 
 
 @dataclass
@@ -87,6 +95,20 @@ def _refusing_masks(sdpa):
         return sdpa(*args, **kwargs)
 
     return guarded
+
+
+def _counting(torch_handler, calls: RingAttentionCalls):
+    """torch's own ring-attention handler of a GPU kernel's op (what a GPU target's trace runs,
+    planner/tracing/attention.py), counting its calls."""
+
+    def handle(op_call, args, kwargs):
+        if op_call.name().endswith("_backward"):
+            calls.backward += 1
+        else:
+            calls.forward += 1
+        return torch_handler(op_call, args, kwargs)
+
+    return handle
 
 
 def _ring_handler(calls: RingAttentionCalls):
@@ -169,7 +191,8 @@ def context_parallel_step(
             dispatcher = DTensor._op_dispatcher
             handlers, patched = dispatcher._custom_op_handlers, F.scaled_dot_product_attention
             handle = _ring_handler(calls)
-            dispatcher._custom_op_handlers = {**handlers, _FORWARD: handle, _BACKWARD: handle}
+            counted = {op: _counting(h, calls) for op, h in handlers.items() if op in _TORCH_RING_OPS}
+            dispatcher._custom_op_handlers = {**handlers, **counted, _FORWARD: handle, _BACKWARD: handle}
             F.scaled_dot_product_attention = _refusing_masks(patched)
             try:
                 yield calls
