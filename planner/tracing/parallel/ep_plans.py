@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from functools import partial
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from planner.errors import SpecError
 from planner.tracing.parallel.expert_parallel import ExpertParallel
-from planner.tracing.specs import resolve_spec
+from planner.tracing.parallel.user_plans import user_plan
 
 __all__ = ["EpPlan", "expert_modules", "resolve_ep_plan"]
 
@@ -97,30 +96,9 @@ def _auto_plan(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> No
         ExpertParallel()._apply(model.get_submodule(path), ep_mesh)
 
 
-def _user_plan(spec: str, func: Callable, model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:
-    try:
-        func(model, ep_mesh)
-    except SpecError:
-        raise
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise SpecError(
-            f"ep-plan function '{spec}' raised {type(e).__name__}: {first}; fix FUNC(model, ep_mesh) or use "
-            "--ep-plan auto"
-        ) from e
-
-
 def resolve_ep_plan(spec: str) -> EpPlan:
     """``auto`` or a ``PATH.py:FUNC`` / ``package.module:FUNC`` spec -> plan(model, ep_mesh, tp_mesh)."""
     if spec == "auto":
         return _auto_plan
-    if ":" not in spec:
-        raise SpecError(f"--ep-plan must be auto, PATH.py:FUNC or package.module:FUNC, got '{spec}'")
-    func_name = spec.rpartition(":")[2]
-    try:  # the spec loader imports the file or module and finds FUNC
-        func = resolve_spec(spec).builder
-    except SpecError as e:
-        raise SpecError(
-            "--ep-plan: " + str(e).replace(f"{func_name}(batch_size=B, seq_len=S)", f"{func_name}(model, ep_mesh)")
-        ) from e
-    return partial(_user_plan, spec, func)
+    plan = user_plan("ep-plan", spec, "ep_mesh")
+    return lambda model, ep_mesh, tp_mesh: plan(model, ep_mesh)

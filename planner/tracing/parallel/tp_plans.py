@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 
 from planner.config import TrainConfig
 from planner.errors import SpecError
-from planner.tracing.specs import resolve_spec
+from planner.tracing.parallel.user_plans import user_plan
 
 __all__ = ["TpPlan", "apply_tp_plan", "resolve_tp_plan", "step_context", "tp_plan_for"]
 
@@ -209,33 +209,11 @@ def _auto_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, l
     _memplan_plan(model, tp_mesh, sequence_parallel, loss_parallel)
 
 
-def _user_plan(spec: str, func: Callable, model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    try:
-        func(model, tp_mesh)
-    except SpecError:
-        raise
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise SpecError(
-            f"tp-plan function '{spec}' raised {type(e).__name__}: {first}; fix FUNC(model, tp_mesh) or use "
-            "--tp-plan auto"
-        ) from e
-
-
 def resolve_tp_plan(spec: str, sequence_parallel: bool = True, loss_parallel: bool = False) -> TpPlan:
     """``auto`` or a ``PATH.py:FUNC`` / ``package.module:FUNC`` spec -> plan(model, tp_mesh)."""
     if spec == "auto":
         return partial(_auto_plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-    if ":" not in spec:
-        raise SpecError(f"--tp-plan must be auto, PATH.py:FUNC or package.module:FUNC, got '{spec}'")
-    func_name = spec.rpartition(":")[2]
-    try:  # the spec loader imports the file or module and finds FUNC
-        func = resolve_spec(spec).builder
-    except SpecError as e:
-        raise SpecError(
-            "--tp-plan: " + str(e).replace(f"{func_name}(batch_size=B, seq_len=S)", f"{func_name}(model, tp_mesh)")
-        ) from e
-    return partial(_user_plan, spec, func)
+    return user_plan("tp-plan", spec, "tp_mesh")
 
 
 def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: TpPlan) -> nn.Module:
