@@ -151,3 +151,21 @@ def test_moe_routing_assumption_is_taken_and_stored_in_the_plan():
         assert "balanced (moe_imbalance)" in handle.routing and "--" not in handle.routing
     with pytest.raises(MemplanError, match="moe_imbalance|MoE imbalance"):
         plan_for(model, inputs, "80%", gpu="cpu", moe_imbalance=0.5)
+
+
+def test_a_model_already_sharded_is_refused_in_one_line():
+    """A tensor-parallel model's parameters are DTensors: the live trace would copy them whole, so
+    auto_checkpoint says how to plan it instead of failing inside the trace."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from planner.tracing.parallel.rank_trace import fake_process_group
+
+    with fake_process_group(0, 2):
+        model = parallelize_module(
+            nn.Sequential(nn.Linear(8, 8)), init_device_mesh("cpu", (2,)), {"0": ColwiseParallel()}
+        )
+        with pytest.raises(MemplanError, match="already sharded") as info:
+            auto_checkpoint(model, (torch.randn(2, 8),), "80%")
+    assert "\n" not in str(info.value)

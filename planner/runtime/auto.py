@@ -95,11 +95,26 @@ def _gpu_of(model: nn.Module) -> str:
     raise MemplanError(f"memplan has no cost model for device '{name}'; pass gpu= one of {', '.join(DEVICES)}")
 
 
+def _refuse_sharded(model: nn.Module) -> None:
+    """A live trace copies whole parameters: a model already sharded (DTensor parameters from
+    parallelize_module, fully_shard or an expert-parallel plan) is planned another way."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise MemplanError(
+            "the model's parameters are already sharded (DTensor: parallelize_module or fully_shard ran); "
+            "call auto_checkpoint before fully_shard (with zero_stage=3, dp=N), and for tensor, context or "
+            "expert parallel make the plan per rank with `memplan plan --tp/--cp/--ep` and apply it with "
+            "apply_plan after parallelize_module"
+        )
+
+
 def config_for(model: nn.Module, inputs: tuple | dict, **config: Any) -> TrainConfig:
     """The TrainConfig of one step: shapes from the inputs, precision and gpu from the model unless given."""
     unknown = sorted(set(config) - set(_CONFIG_FIELDS))
     if unknown:
         raise MemplanError(f"unknown option(s) {', '.join(unknown)}; pass any of {', '.join(_CONFIG_FIELDS)}")
+    _refuse_sharded(model)
     tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     if not tensors:
         raise MemplanError("the inputs hold no tensor; pass the example batch as a tuple or dict of tensors")
