@@ -136,8 +136,6 @@ def test_ep_errors_are_one_line(capsys, argv, needles):
 
 def test_commands_without_ep_refuse_it_in_one_line(capsys):
     base = ["--model", TITAN_MOE, "--seq-len", "64", "--dp", "2", "--ep", "2"]
-    code, _, err = run(["fit", *base], capsys)
-    assert_user_error(code, err, "fit", "memplan simulate --ep 2")
     code, _, err = run(["diagnose", *base], capsys)
     assert_user_error(code, err, "diagnose", "memplan simulate --ep 2")
 

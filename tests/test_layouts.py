@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from cli_helpers import run
@@ -209,3 +210,24 @@ def test_cli_pins_it_cannot_search_are_one_line(capsys, pinned, needle):
 
     code, _, err = run(["fit", "--model", SPEC, "--seq-len", "64", "--gpu", "h100-80gb", *pinned], capsys)
     assert_user_error(code, err, "fit", needle)
+
+
+MIXTRAL = f"hf:{Path(__file__).parent / 'data' / 'tiny_mixtral' / 'config.json'}"
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_searches_expert_parallel(tmp_path, capsys):
+    """A MoE's layouts include expert parallel over the data-parallel ranks (FSDP2 on the rest);
+    `--ep N` pins it, and the recipe's check line gives a layout's peak to the byte."""
+    mixtral = TrainConfig(batch_size=2, seq_len=64)
+    found = search_layouts(MIXTRAL, mixtral, max_gpus=4, budget_bytes=2**30, global_batch=16)
+    assert {x.ep for x in found.layouts} >= {1, 2, 4} and all(x.dp % x.ep == 0 for x in found.layouts)
+    pinned = search_layouts(MIXTRAL, mixtral.with_(dp=2, ep=2), max_gpus=4, budget_bytes=2**30, global_batch=16)
+    assert pinned.layouts and {x.ep for x in pinned.layouts} == {2}
+    x = max(pinned.layouts, key=lambda x: x.peak_bytes)
+    out = tmp_path / "rank.json"
+    code, _, err = run(
+        ["simulate", "--model", MIXTRAL, "--seq-len", "64", *x.flags().split(), "--json", str(out)], capsys
+    )
+    assert code == 0, err
+    assert json.loads(out.read_text())["peak_bytes"] == x.peak_bytes, x.flags()

@@ -31,6 +31,7 @@ from costmodels.runtime import peak_flops_per_s
 from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget, MemplanError, SolverTimeout, TraceError
 from planner.simulation.costs import model_states_for
+from planner.simulation.layout import trace_roles
 from planner.simulation.pipeline import simulate_pipeline
 from planner.simulation.step import simulate
 from planner.simulation.step_time import StepTime, data_parallel_step_time, host_states, pipeline_step_time
@@ -94,7 +95,7 @@ class Layout:
 
     @property
     def label(self) -> str:
-        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
+        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"] + ([f"ep{self.ep}"] if self.ep > 1 else [])
         if self.pp > 1:
             parts.append(f"{self.schedule} x{self.microbatches}")
         if self.accumulation > 1:
@@ -114,6 +115,8 @@ class Layout:
             out.append(f"--grad-accum {self.accumulation}")
         if self.dp > 1 or self.offload:
             out.append(f"--dp {self.dp} --zero 3")
+            if self.ep > 1:
+                out.append(f"--ep {self.ep}")
             if self.pp > 1:  # as config_for: a stage stays gathered across its microbatches
                 out.append("--reshard-after-forward false")
         if self.offload:
@@ -179,8 +182,9 @@ class _Search:
 
     def __init__(self, spec: str, config: TrainConfig, budget: int, device: DeviceSpec, global_batch: int) -> None:
         self.spec, self.base, self.budget, self.device, self.global_batch = spec, config, budget, device, global_batch
-        self.graphs: dict[int, OpGraph] = {}
+        self.graphs: dict[tuple[int, int], OpGraph] = {}  # (tp, ep) -> the traced (worst) rank's graph
         self.skipped: dict[int, str] = {}
+        self.skipped_ep: dict[int, str] = {}
         dtype = get_precision(config.precision).autocast_dtype or get_precision(config.precision).param_dtype
         self.peak_flops = peak_flops_per_s(dtype, device)
         self.flops_per_sequence = 0.0
@@ -199,18 +203,31 @@ class _Search:
         return True
 
     def graph(self, tp: int) -> OpGraph | None:
-        if tp in self.graphs or tp in self.skipped:
-            return self.graphs.get(tp)
+        if (tp, 1) in self.graphs or tp in self.skipped:
+            return self.graphs.get((tp, 1))
         traced = self.base.with_(tp=tp, dp=1, zero_stage=3)
         try:
             graph = trace_tp_rank(self.spec, traced, rank=0)[0] if tp > 1 else trace_for(self.spec, traced)
         except (TraceError, MemplanError, ValueError, RuntimeError) as exc:
             self.skipped[tp] = " ".join(str(exc).split())[:200]
             return None
-        self.graphs[tp] = graph
+        self.graphs[(tp, 1)] = graph
         if tp == 1:
             self.flops_per_sequence = sum(op.flops for op in graph.ops) / self.base.batch_size
         return graph
+
+    def expert_graph(self, ep: int) -> OpGraph | None:
+        """The busiest expert-parallel role's graph at degree `ep` (traced once, whatever the GPU count)."""
+        if (1, ep) in self.graphs or ep in self.skipped_ep:
+            return self.graphs.get((1, ep))
+        traced = self.base.with_(dp=ep, ep=ep, zero_stage=3)
+        try:
+            _, graphs = trace_roles(self.spec, traced)
+        except (TraceError, MemplanError, ValueError, RuntimeError) as exc:
+            self.skipped_ep[ep] = " ".join(str(exc).split())[:200]
+            return None
+        self.graphs[(1, ep)] = max(graphs.values(), key=lambda g: simulate(g, traced).peak_bytes)
+        return self.graphs[(1, ep)]
 
     def states_lower_bound(self, graph: OpGraph, pp: int, dp: int, optimizer: str) -> int:
         """Model-state bytes of the lightest rank: the traced rank's states over pp stages and dp shards."""
@@ -228,9 +245,10 @@ class _Search:
         accumulation: int,
         optimizer: str,
         offload: bool,
+        ep: int = 1,
     ) -> TrainConfig:
         c = self.base.with_(
-            tp=tp, dp=dp, zero_stage=3, optimizer=optimizer, cpu_offload=offload, grad_accum_steps=accumulation
+            tp=tp, dp=dp, ep=ep, zero_stage=3, optimizer=optimizer, cpu_offload=offload, grad_accum_steps=accumulation
         )
         if pp == 1:
             return c
@@ -254,16 +272,17 @@ class _Search:
         optimizer: str,
         offload: bool,
         recompute: str,
+        ep: int = 1,
     ) -> Layout | None:
         """One layout simulated: FSDP2 over dp, `microbatches` per pipeline step (1 without pp), as
         many steps as the global batch needs per optimizer step."""
-        graph = self.graphs[tp]
+        graph = self.graphs[(tp, ep)]
         dp = gpus // (tp * pp)
         accumulation = self.global_batch // (dp * self.base.batch_size * microbatches)
-        config = self.config_for(tp, pp, dp, schedule, v, microbatches, accumulation, optimizer, offload)
-        if (tp, recompute) not in self.choices:
-            self.choices[(tp, recompute)] = () if recompute == "none" else tuple(strategy_choices(graph, recompute))
-        choices = self.choices[(tp, recompute)]
+        config = self.config_for(tp, pp, dp, schedule, v, microbatches, accumulation, optimizer, offload, ep)
+        if (tp, ep, recompute) not in self.choices:
+            self.choices[(tp, ep, recompute)] = () if recompute == "none" else tuple(strategy_choices(graph, recompute))
+        choices = self.choices[(tp, ep, recompute)]
         if recompute != "none" and not choices:
             return None  # the model has no blocks to recompute
         try:
@@ -278,16 +297,16 @@ class _Search:
         except (MemplanError, ValueError):  # a schedule torch refuses for this shape
             return None
         return self.layout(
-            gpus, tp, pp, schedule, v, microbatches, accumulation, optimizer, offload, recompute, peak, step
+            gpus, tp, pp, schedule, v, microbatches, accumulation, optimizer, offload, recompute, peak, step, ep
         )
 
     def layout(
-        self, gpus, tp, pp, schedule, v, microbatches, accumulation, optimizer, offload, recompute, peak, step
+        self, gpus, tp, pp, schedule, v, microbatches, accumulation, optimizer, offload, recompute, peak, step, ep=1
     ) -> Layout:
         host = 0
         if offload:
-            config = self.config_for(tp, 1, gpus // tp, None, 1, 1, accumulation, optimizer, offload)
-            s = host_states(self.graphs[tp], config)
+            config = self.config_for(tp, 1, gpus // tp, None, 1, 1, accumulation, optimizer, offload, ep)
+            s = host_states(self.graphs[(tp, ep)], config)
             host = s.parameter + s.gradient + s.optimizer
         tokens = self.global_batch * self.base.seq_len
         flops = self.flops_per_sequence * self.global_batch
@@ -313,6 +332,7 @@ class _Search:
             time=step,
             tokens_per_s_per_gpu=tokens / (step.step_s * gpus) if step.step_s > 0 else 0.0,
             mfu=flops / (step.step_s * gpus * self.peak_flops) if step.step_s > 0 else 0.0,
+            ep=ep,
         )
 
 
@@ -329,13 +349,25 @@ def repeated(step: StepTime, times: int) -> StepTime:
     )
 
 
+def _expert_degrees(search: _Search, gpus: int, fixed: TrainConfig) -> list[int]:
+    """Expert-parallel degrees above 1 for a mixture-of-experts model: powers of two dividing its
+    experts and the data-parallel ranks (tp and pp 1: memplan composes EP with FSDP2 only)."""
+    experts = search.graphs[(1, 1)].meta.get("moe", {}).get("experts", 0)
+    if not experts or fixed.tp > 1 or fixed.pp > 1 or search.global_batch % (gpus * search.base.batch_size):
+        return []
+    degrees = [ep for ep in _powers_of_two(min(gpus, experts))[1:] if experts % ep == 0]
+    return [ep for ep in degrees if fixed.ep in (1, ep) and search.expert_graph(ep) is not None]
+
+
 def _shapes(
     search: _Search, gpus: int, gpus_per_node: int, fixed: TrainConfig
-) -> list[tuple[int, int, str | None, int]]:
-    """(tp, pp, schedule, stages per rank) that tile `gpus` and split the global batch evenly."""
-    out = []
+) -> list[tuple[int, int, int, str | None, int]]:
+    """(tp, ep, pp, schedule, stages per rank) that tile `gpus` and split the global batch evenly."""
+    out = [(1, ep, 1, None, 1) for ep in _expert_degrees(search, gpus, fixed)]
     b, batch = search.base.batch_size, search.global_batch
     for tp in TENSOR_PARALLEL:
+        if fixed.ep > 1:
+            break
         if tp > min(gpus, gpus_per_node) or gpus % tp or (fixed.tp > 1 and tp != fixed.tp):
             continue
         graph = search.graph(tp)
@@ -350,11 +382,11 @@ def _shapes(
                 continue
             m = batch // (dp * b)
             if pp == 1:
-                out.append((tp, 1, None, 1))
+                out.append((tp, 1, 1, None, 1))
                 continue
             for schedule, v in SCHEDULES:
                 if blocks >= 2 * pp * v and m % (pp * v) == 0:  # at least two blocks a stage, whole rounds
-                    out.append((tp, pp, schedule, v))
+                    out.append((tp, 1, pp, schedule, v))
     return out
 
 
@@ -362,7 +394,7 @@ MICROBATCH_ROUNDS = (4, 2, 1)  # microbatches per pipeline step tried, in rounds
 
 
 def _shape_layouts(
-    search: _Search, gpus: int, tp: int, pp: int, schedule: str | None, v: int, config: TrainConfig
+    search: _Search, gpus: int, tp: int, ep: int, pp: int, schedule: str | None, v: int, config: TrainConfig
 ) -> list[Layout]:
     """The layouts simulated for one shape: for each optimizer/offload variant (cheapest first, until
     one fits), the lightest candidate first (full recompute, fewest microbatches), and when it fits,
@@ -370,7 +402,7 @@ def _shape_layouts(
     pipeline step that fit, until a level fits with the most. Peaks only grow with less recompute
     and more microbatches, and time with more recompute and fewer microbatches, so nothing left out
     could be faster and fit."""
-    graph = search.graphs[tp]
+    graph = search.graphs[(tp, ep)]
     dp = gpus // (tp * pp)
     replica = search.global_batch // (dp * search.base.batch_size)  # micro-batches per replica and step
     rounds = [k * pp * v for k in MICROBATCH_ROUNDS if pp > 1 and replica % (k * pp * v) == 0] or [1]
@@ -380,7 +412,7 @@ def _shape_layouts(
             continue
 
         def run(recompute: str, microbatches: int, optimizer=optimizer, offload=offload) -> Layout | None:
-            x = search.evaluate(gpus, tp, pp, schedule, v, microbatches, optimizer, offload, recompute)
+            x = search.evaluate(gpus, tp, pp, schedule, v, microbatches, optimizer, offload, recompute, ep)
             if x is not None:
                 out.append(x)
             return x
@@ -468,7 +500,8 @@ def search_layouts(
     progress: Callable[[int, int, str], None] | None = None,
 ) -> LayoutSearch:
     """Search layouts of `config`'s step on up to `max_gpus` GPUs of `config.gpu` (see the module
-    docstring); `config.tp` / `config.pp` above 1 pin those degrees; `allow_offload` / `allow_8bit`
+    docstring); `config.tp` / `config.pp` / `config.ep` above 1 pin those degrees (expert parallel
+    is tried for a mixture-of-experts model, with FSDP2 and without tp or pp); `allow_offload` / `allow_8bit`
     let it try host offload and 8-bit AdamW states."""
     started = time.perf_counter()
     device = get_device(config.gpu)
@@ -478,12 +511,14 @@ def search_layouts(
         raise MemplanError(
             f"--global-batch {batch} is not a multiple of the micro-batch --batch-size {config.batch_size}"
         )
-    base = config.with_(tp=1, pp=1, dp=1, zero_stage=3, grad_accum_steps=1, microbatches=None, stages_per_rank=None)
+    base = config.with_(
+        tp=1, pp=1, dp=1, ep=1, zero_stage=3, grad_accum_steps=1, microbatches=None, stages_per_rank=None
+    )
     search = _Search(spec, base, budget_bytes, device, batch)
     search.allow_offload, search.allow_8bit = allow_offload, allow_8bit
     if search.graph(1) is None:
         raise MemplanError(f"memplan cannot trace {spec}: {search.skipped[1]}")
-    _check_pinned(config, per_node, len(search.graphs[1].regions))
+    _check_pinned(config, per_node, len(search.graphs[(1, 1)].regions))
     layouts: list[Layout] = []
     first_fit: int | None = None
     counts = _powers_of_two(max_gpus)
@@ -492,8 +527,8 @@ def search_layouts(
             break
         if progress is not None:
             progress(done, len(counts), f"{gpus} GPUs")
-        for tp, pp, schedule, v in _shapes(search, gpus, per_node, config):
-            layouts += _shape_layouts(search, gpus, tp, pp, schedule, v, config)
+        for tp, ep, pp, schedule, v in _shapes(search, gpus, per_node, config):
+            layouts += _shape_layouts(search, gpus, tp, ep, pp, schedule, v, config)
         if first_fit is None and any(x.fits and x.gpus == gpus for x in layouts):
             first_fit = gpus
     if progress is not None:
@@ -536,7 +571,7 @@ def _check_pinned(config: TrainConfig, gpus_per_node: int, blocks: int) -> None:
 
 def _with_plan(search: _Search, layout: Layout, time_limit_s: float) -> tuple[Layout, dict | None]:
     """The recommended layout with the solver's recompute plan in place of a uniform one, when it is faster."""
-    graph = search.graphs[layout.tp]
+    graph = search.graphs[(layout.tp, layout.ep)]
     config = search.config_for(
         layout.tp,
         layout.pp,
@@ -547,6 +582,7 @@ def _with_plan(search: _Search, layout: Layout, time_limit_s: float) -> tuple[La
         layout.accumulation,
         layout.optimizer,
         layout.offload,
+        layout.ep,
     )
     try:
         if layout.pp == 1:
@@ -620,6 +656,7 @@ def launch_recipe(layout: Layout, spec: str, gpus_per_node: int, config: TrainCo
         ]
     toml += [
         "context_parallel_degree = 1",
+        f"expert_parallel_degree = {layout.ep}",
         "",
         "[training]",
         # torchtitan accumulates global / (local x dp) steps of local_batch_size sequences

@@ -141,19 +141,18 @@ def run(args) -> None:
     for flag, value in (("--gpus", args.gpus), ("--max-gpus", args.max_gpus)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be a positive integer, got {value}")
-    if args.ep > 1:
-        raise ValueError(f"fit does not search expert parallel yet; simulate it with memplan simulate --ep {args.ep}")
     if args.cp > 1:
         raise ValueError(
             f"fit does not search context-parallel layouts yet; see every rank with memplan simulate --cp {args.cp}"
         )
-    if args.layouts or args.tp > 1 or args.pp > 1:
+    if args.layouts or args.tp > 1 or args.pp > 1 or args.ep > 1:
         if args.gpus:
             raise ValueError("--gpus asks for the largest batch on N GPUs; drop it to search layouts (--layouts)")
         for flag, value in (("--microbatches", args.microbatches), ("--stages-per-rank", args.stages_per_rank)):
             if value is not None:
-                raise ValueError(f"fit --layouts chooses {flag} itself; drop it (pin only --tp and --pp)")
+                raise ValueError(f"fit --layouts chooses {flag} itself; drop it (pin only --tp, --pp and --ep)")
         args.microbatches = 1 if args.pp > 1 else None  # --batch-size is the micro-batch here
+        args.dp = max(args.dp, args.ep)  # the search chooses dp; a pinned --ep needs one it divides
         _run_layouts(args, config_from_args(args))
         return
     config = config_from_args(args)
@@ -235,7 +234,8 @@ def register(add) -> None:
         "--layouts",
         action="store_true",
         help="search the whole layout: GPU count x --tp x --pp x schedule x microbatches x FSDP2 x optimizer states "
-        "x host offload x recompute (also when --tp or --pp is given, which pin that degree)",
+        "x host offload x recompute, and expert parallel for a mixture-of-experts model (also when --tp, --pp or "
+        "--ep is given, which pin that degree)",
     )
     p.add_argument("--no-offload", action="store_true", help="--layouts without FSDP2 host offload")
     p.add_argument("--no-8bit-optimizer", action="store_true", help="--layouts without 8-bit AdamW states")

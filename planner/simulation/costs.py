@@ -49,12 +49,18 @@ class StepCosts:
         return {**asdict(self), "overhead": self.overhead}
 
 
+_ALL_TO_ALL = str(torch.ops._c10d_functional.all_to_all_single.default)
+
+
 def collective_s(op: OpNode, graph: OpGraph, device: DeviceSpec) -> float:
-    """Seconds of a functional collective over the trace's tensor-parallel group (in one node)."""
+    """Seconds of a functional collective over the trace's tensor-parallel group (in one node), or,
+    for an expert-parallel trace's all-to-all (token dispatch and combine), over its EP group."""
     side, passes = COLLECTIVE_OPS[op.name]
     tensors = op.outputs if side == "output" else op.inputs
     nbytes = sum(graph.tensors[t].nbytes for t in tensors[:1])
-    return passes * collective_time_s(nbytes, int(graph.meta.get("tp", 1)), device)
+    ep = int(graph.meta.get("ep", 1))
+    group = ep if op.name == _ALL_TO_ALL and ep > 1 else int(graph.meta.get("tp", 1))
+    return passes * collective_time_s(nbytes, group, device)
 
 
 def op_times(graph: OpGraph, device: DeviceSpec) -> np.ndarray:
