@@ -196,3 +196,89 @@ def test_a_module_list_is_never_planned_as_one_module():
     model, _ = _list_stages(4, 32)
     with pytest.raises(PlanFileError, match="ModuleList with no forward of its own"):
         apply_plan(model, bad)
+
+
+class LoopedStage(nn.Module):
+    """A ResNet-shaped stage: its layers in an nn.Sequential that its forward loops over instead of
+    calling (transformers' ResNetStage), so the Sequential's own forward never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(Layer(), Layer())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class LoopedStages(nn.Module):
+    """Stages that are themselves looped over: the blocks found by structure are never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = nn.Sequential(LoopedStage(), LoopedStage())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            for layer in stage.layers:
+                x = layer(x)
+        return x.pow(2).mean()
+
+
+def test_a_sequential_the_model_loops_over_is_never_planned_as_one_module():
+    """An nn.Sequential has a forward, but a parent that loops over its children never calls it: a
+    plan wrapping it changed nothing (a transformers ResNet planned 'recompute ...stages.0.layers'
+    and ran 6.4% over its budget at the no-plan peak). The trace lists what the model never calls
+    with the containers; blocks it never calls give way to their children."""
+    from costmodels.hardware import get_device
+    from planner.simulation.costs import op_times
+    from planner.simulation.effects import module_span
+    from planner.solver.options import block_options
+
+    spec = ModelSpec(
+        "looped-stages",
+        "stages over looped Sequentials",
+        lambda batch_size, seq_len: (
+            nn.Sequential(LoopedStage(), LoopedStage()),
+            (torch.randn(batch_size, seq_len, WIDTH),),
+        ),
+    )
+    graph = trace(spec, batch_size=4, seq_len=32)
+    assert {"0.layers", "1.layers"} <= set(graph.meta["containers"])
+    times = op_times(graph, get_device("cpu"))
+    assert "recompute 0.layers" not in {o.name for o in block_options(graph, module_span(graph, "0"), times, None)}
+
+    nested = trace(
+        ModelSpec(
+            "looped",
+            "looped blocks",
+            lambda batch_size, seq_len: (LoopedStages(), (torch.randn(batch_size, seq_len, WIDTH),)),
+        ),
+        batch_size=4,
+        seq_len=32,
+    )
+    assert [r.path for r in nested.regions] == [f"stages.{i}.layers.{j}" for i in range(2) for j in range(2)]
+    config = TrainConfig(batch_size=4, seq_len=32)
+    base = simulate(nested, config).peak_bytes
+    plan = solve(nested, config, int(0.8 * base))
+    assert plan.decisions and all(d.module.count(".") == 3 for d in plan.decisions)
+
+
+def test_a_folded_trace_lists_the_looped_over_modules_of_every_block():
+    """A deep run of blocks is traced through a shallow copy (tracing/depth.py): what the shallow
+    trace found looped over holds in every block of the run."""
+    from planner.tracing.depth import FOLD_MIN_RUN
+
+    depth = FOLD_MIN_RUN + 2
+    spec = ModelSpec(
+        "deep-looped",
+        "deep stack of looped stages",
+        lambda batch_size, seq_len: (
+            nn.Sequential(*(LoopedStage() for _ in range(depth))),
+            (torch.randn(batch_size, seq_len, WIDTH),),
+        ),
+    )
+    graph = trace(spec, batch_size=2, seq_len=8)
+    assert graph.meta.get("folded") == depth
+    assert {f"{i}.layers" for i in range(depth)} <= set(graph.meta["containers"])

@@ -28,10 +28,11 @@ from planner.tracing.blocks import (
     container_paths,
     find_region_paths,
     is_segment,
+    looped_over,
     module_signature,
     segment_children,
 )
-from planner.tracing.depth import fold_trace, repeated_run
+from planner.tracing.depth import BlockRun, fold_trace, repeated_run
 from planner.tracing.dispatch import OpRecorder, as_int, local_tensor
 from planner.tracing.fake_build import fake_model
 from planner.tracing.fingerprint import model_fingerprint
@@ -143,7 +144,7 @@ def _regions(
     """
     regions = []
     first_use = graph.first_backward_use()
-    for path in find_region_paths(model, blocks):
+    for path in _called_blocks(model, find_region_paths(model, blocks), set(graph.meta["looped_over"])):
         modules = (
             [model.get_submodule(c) for c in segment_children(model, path)]
             if is_segment(path)
@@ -168,6 +169,18 @@ def _regions(
             )
         )
     return regions
+
+
+def _called_blocks(model: nn.Module, paths: list[str], looped: set[str]) -> list[str]:
+    """The blocks, with one the model loops over without calling replaced by its children."""
+    out: list[str] = []
+    for path in paths:
+        if path in looped:
+            children = [f"{path}.{name}" for name, _ in model.get_submodule(path).named_children()]
+            out += _called_blocks(model, children, looped)
+        else:
+            out.append(path)
+    return out
 
 
 def trace_model(
@@ -199,12 +212,28 @@ def trace_model(
     graph = fold_trace(model, run, once) if run is not None else None
     if graph is None:
         graph = once()
+        looped = set(graph.meta.pop("looped_over"))
     else:
         graph.meta.update(
             fingerprint=model_fingerprint(model), num_modules=sum(1 for _ in model.modules()), folded=run.length
         )
-    graph.meta["containers"] = container_paths(model)  # modules a plan cannot wrap (no forward)
+        looped = _across_run(graph.meta.pop("looped_over"), run)
+    # modules a plan cannot wrap: no forward of their own, or one the model loops over without calling
+    graph.meta["containers"] = sorted(set(container_paths(model)) | looped)
     return graph
+
+
+def _across_run(paths: Sequence[str], run: BlockRun) -> set[str]:
+    """Paths inside the blocks of a folded run, repeated in every block of the run (the shallow
+    trace called only the first few)."""
+    blocks = [run.path(k) for k in range(run.start, run.start + run.length)]
+    out = set(paths)
+    for path in paths:
+        for block in blocks:
+            if path.startswith(block + "."):
+                rest = path[len(block) :]
+                out.update(b + rest for b in blocks)
+    return out
 
 
 def _trace_once(
@@ -290,6 +319,7 @@ def _trace_once(
             "natural_lifetimes": lifetimes,
             "num_modules": sum(1 for _ in model.modules()),
             "buffer_writes": _buffer_writes(ops[:backward_start], buffer_names),
+            "looped_over": looped_over(model, rec.called),
         },
     )
     graph.regions = _regions(model, graph, param_bytes_of, blocks)
