@@ -241,10 +241,12 @@ def _solve_cpsat(p: _Problem, budget: int, time_limit_s: float, n: int):
     cuts = {0, n}
     held_vars: list[cp_model.IntVar | None] = []
     held_lo: list[int] = []
+    held_hi: list[int] = []  # a recompute can hold more than keeping (its replay outlives a freed tensor)
     for r, blk in enumerate(blocks):
         if blk is None or blk.hold_hi <= blk.hold_lo:
             held_vars.append(None)
             held_lo.append(0)
+            held_hi.append(0)
             if blk is not None:
                 cuts.update(blk.changes.tolist() + [blk.lo, blk.hi])
             continue
@@ -255,13 +257,16 @@ def _solve_cpsat(p: _Problem, budget: int, time_limit_s: float, n: int):
         model.Add(h == sum(c * y[r][k] for k, c in enumerate(coeffs) if c))
         held_vars.append(h)
         held_lo.append(lo_b)
+        held_hi.append(hi_b)
     group_vars: dict[tuple[int, ...], cp_model.IntVar] = {}
 
     def held_sum(regions: tuple[int, ...]):
         if not regions:
             return 0
         if regions not in group_vars:
-            z = model.NewIntVar(sum(held_lo[r] for r in regions), 0, f"group{len(group_vars)}")
+            z = model.NewIntVar(
+                sum(held_lo[r] for r in regions), sum(held_hi[r] for r in regions), f"group{len(group_vars)}"
+            )
             model.Add(z == sum(held_vars[r] for r in regions))
             group_vars[regions] = z
         return group_vars[regions]
