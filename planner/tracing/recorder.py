@@ -272,6 +272,12 @@ def _trace_once(
     rec.recording = False  # storages alive now outlive the step
     del loss
     ops = _phase_of_forward_ops(rec.ops, backward_start)
+    if lifetimes and len(natural.ops) > backward_start:
+        raise TraceError(
+            f"model '{name}' ran fewer ops on its second forward than on its first ({len(natural.ops)} then "
+            f"{backward_start}): it keeps tensors across calls (a cache such as functools.lru_cache), which now "
+            "hold fake tensors; run the model once for real in this process before tracing it, or turn the cache off"
+        )
     if lifetimes and len(natural.ops) != backward_start:
         raise TraceError(
             f"model '{name}' ran a different forward twice ({len(natural.ops)} vs "
