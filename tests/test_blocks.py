@@ -282,3 +282,38 @@ def test_a_folded_trace_lists_the_looped_over_modules_of_every_block():
     graph = trace(spec, batch_size=2, seq_len=8)
     assert graph.meta.get("folded") == depth
     assert {f"{i}.layers" for i in range(depth)} <= set(graph.meta["containers"])
+
+
+class SharedLayers(nn.Module):
+    """Two layers applied three times each (weights shared across depth, as ALBERT does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer0 = Layer()
+        self.layer1 = Layer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = self.layer1(self.layer0(x))
+        return x.pow(2).mean()
+
+
+def test_a_layer_called_several_times_per_step_is_not_a_block():
+    """A block is one span of the step; a shared layer's three calls are three. Planned as one, its
+    'smallest reachable peak' came out 36% above the no-plan peak. Shared layers are not blocks and
+    no plan may wrap them; the infeasible budget says why there are no blocks."""
+    from planner.errors import InfeasibleBudget
+
+    spec = ModelSpec(
+        "shared",
+        "shared layers",
+        lambda batch_size, seq_len: (SharedLayers(), (torch.randn(batch_size, seq_len, WIDTH),)),
+    )
+    graph = trace(spec, batch_size=4, seq_len=32)
+    assert graph.regions == []
+    assert {"layer0", "layer1", "layer0.up"} <= set(graph.meta["shared_modules"]) <= set(graph.meta["containers"])
+    config = TrainConfig(batch_size=4, seq_len=32)
+    base = simulate(graph, config).peak_bytes
+    with pytest.raises(InfeasibleBudget, match=r"no blocks.*layer0, layer1 run several times per step") as info:
+        solve(graph, config, base // 2)
+    assert info.value.smallest_peak_bytes == base

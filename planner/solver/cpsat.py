@@ -367,6 +367,18 @@ def _offload_hint(config: TrainConfig, offload: str | None) -> str:
     return " (offload to disk is already counted in that peak)"
 
 
+def _no_blocks_hint(graph: OpGraph) -> str:
+    every = graph.meta.get("shared_modules", ())
+    shared = [p for p in every if not any(p.startswith(q + ".") for q in every)][:3]  # the outermost
+    hint = (
+        "; memplan found no blocks to checkpoint in this model (blocks are the children of nn.ModuleList, "
+        "nn.Sequential or nn.ModuleDict containers, each called once per step)"
+    )
+    if shared:
+        hint += f"; {', '.join(shared)} {'runs' if len(shared) == 1 else 'run'} several times per step (a shared layer)"
+    return hint
+
+
 def _infeasible(graph: OpGraph, config: TrainConfig, budget: int, p: _Problem, offload: str | None) -> InfeasibleBudget:
     best = simulate(graph, config, choices=_min_peak_choices(p))
     top = max(best.breakdown_at_peak.items(), key=lambda kv: kv[1])
@@ -376,12 +388,7 @@ def _infeasible(graph: OpGraph, config: TrainConfig, budget: int, p: _Problem, o
         f"dominated by {top[0]} ({format_bytes(top[1])}); raise --budget to at least that, or cut model "
         "states (--precision bf16-mixed, --optimizer adamw-8bit, --zero 3 --dp N)"
         + _offload_hint(config, offload)
-        + (
-            ""
-            if graph.regions
-            else "; memplan found no blocks to checkpoint in this model (blocks are the "
-            "children of nn.ModuleList, nn.Sequential or nn.ModuleDict containers)"
-        ),
+        + ("" if graph.regions else _no_blocks_hint(graph)),
         smallest_peak_bytes=best.peak_bytes,
     )
 

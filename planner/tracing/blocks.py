@@ -17,7 +17,7 @@ import fnmatch
 import hashlib
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from torch import nn
 
@@ -78,7 +78,7 @@ def container_paths(model: nn.Module) -> list[str]:
     return [path for path, m in model.named_modules() if path and not runs_forward(m)]
 
 
-def looped_over(model: nn.Module, called: set[str]) -> list[str]:
+def looped_over(model: nn.Module, called: Collection[str]) -> list[str]:
     """Module paths of submodules whose forward never ran while one of their submodules' did: their
     parent loops over their children (`for layer in self.layers`, an nn.Sequential iterated rather
     than called), so a plan that wraps their forward changes nothing."""

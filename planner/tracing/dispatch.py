@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,7 +130,7 @@ class OpRecorder(TorchDispatchMode):
         super().__init__()
         self.fqn = {id(m): name for name, m in model.named_modules()}
         self.active: list[str] = []  # modules entered and not yet left, innermost last
-        self.called: set[str] = set()  # modules whose forward ran (called, not just looped over)
+        self.calls: Counter[str] = Counter()  # forward calls per module (called, not just looped over)
         self.tracker = ModTracker()
         self.tracker.register_user_hooks(self._enter, self._leave, self._enter, self._leave)
         self.with_costs = with_costs
@@ -186,7 +187,7 @@ class OpRecorder(TorchDispatchMode):
         name = self.fqn.get(id(module), "")
         self.active.append(name)
         if self.phase == "forward":
-            self.called.add(name)
+            self.calls[name] += 1
 
     def _leave(self, module: nn.Module, *_) -> None:
         name = self.fqn.get(id(module), "")

@@ -145,6 +145,8 @@ def _regions(
     regions = []
     first_use = graph.first_backward_use()
     for path in _called_blocks(model, find_region_paths(model, blocks), set(graph.meta["looped_over"])):
+        if path in graph.meta["shared_modules"]:  # its calls are several spans, not one block
+            continue
         modules = (
             [model.get_submodule(c) for c in segment_children(model, path)]
             if is_segment(path)
@@ -212,14 +214,17 @@ def trace_model(
     graph = fold_trace(model, run, once) if run is not None else None
     if graph is None:
         graph = once()
-        looped = set(graph.meta.pop("looped_over"))
+        looped, shared = set(graph.meta.pop("looped_over")), set(graph.meta["shared_modules"])
     else:
         graph.meta.update(
             fingerprint=model_fingerprint(model), num_modules=sum(1 for _ in model.modules()), folded=run.length
         )
         looped = _across_run(graph.meta.pop("looped_over"), run)
-    # modules a plan cannot wrap: no forward of their own, or one the model loops over without calling
-    graph.meta["containers"] = sorted(set(container_paths(model)) | looped)
+        shared = _across_run(graph.meta["shared_modules"], run)
+    graph.meta["shared_modules"] = sorted(shared)
+    # modules a plan cannot wrap as one span: no forward of their own, one the model loops over
+    # without calling, or one called several times per step (a layer shared across depths)
+    graph.meta["containers"] = sorted(set(container_paths(model)) | looped | shared)
     return graph
 
 
@@ -325,7 +330,8 @@ def _trace_once(
             "natural_lifetimes": lifetimes,
             "num_modules": sum(1 for _ in model.modules()),
             "buffer_writes": _buffer_writes(ops[:backward_start], buffer_names),
-            "looped_over": looped_over(model, rec.called),
+            "looped_over": looped_over(model, rec.calls),
+            "shared_modules": sorted(path for path, n in rec.calls.items() if path and n > 1),
         },
     )
     graph.regions = _regions(model, graph, param_bytes_of, blocks)
