@@ -117,7 +117,13 @@ def model_states_for(graph: OpGraph, config: TrainConfig) -> ModelStates:
     precision = get_precision(config.precision)
     foreach = get_device(config.gpu).is_cuda
     states = model_state_bytes(
-        graph.param_shapes, precision, config.optimizer, config.zero_stage, config.dp, foreach=foreach
+        graph.param_shapes,
+        precision,
+        config.optimizer,
+        config.zero_stage,
+        config.dp,
+        foreach=foreach,
+        trainable_shapes=graph.trainable_param_shapes,
     )
     if config.cpu_offload:  # FSDP2 CPUOffloadPolicy: sharded states and the optimizer step live on the host
         return replace(states, parameter=0, gradient=0, optimizer=0, optimizer_step_temporary=0)

@@ -96,12 +96,21 @@ class OpGraph:
     # (ops dispatched so far, module) at each save autograd made in forward: torch's early stop
     # of a recompute happens right after the span's last save
     pack_events: tuple[tuple[int, str], ...] = ()
+    # per parameter, whether it requires grad (empty: all do); frozen ones have no gradient or optimizer state
+    param_trainable: tuple[bool, ...] = ()
     _consumers: dict[int, list[int]] | None = field(default=None, repr=False, compare=False)
     _by_module: dict[str, list[int]] | None = field(default=None, repr=False, compare=False)
     _first_bwd_use: dict[int, int] | None = field(default=None, repr=False, compare=False)
     _uncacheable: frozenset[int] | None = field(default=None, repr=False, compare=False)
     # what later layers derive from the graph alone and reuse (op times per device, FSDP2's buffers per sharding)
     derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def trainable_param_shapes(self) -> list[tuple[int, ...]]:
+        """Shapes of the parameters that require grad (those with a gradient and optimizer states)."""
+        if not self.param_trainable:
+            return list(self.param_shapes)
+        return [s for s, trainable in zip(self.param_shapes, self.param_trainable) if trainable]
 
     @property
     def num_parameters(self) -> int:

@@ -322,6 +322,7 @@ def _trace_once(
         backward_start=backward_start,
         pack_events=tuple((n, module) for n, module, _ in packs),
         param_shapes=[tuple(as_int(d, "a parameter") for d in local_tensor(p).shape) for p in params],
+        param_trainable=() if all(p.requires_grad for p in params) else tuple(p.requires_grad for p in params),
         param_dtype=param_dtype,
         meta={
             "model": name,
