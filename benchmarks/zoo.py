@@ -29,7 +29,7 @@ from planner.tracing.specs import resolve_spec
 from planner.units import format_bytes
 
 PLAN_FRACTION = 0.6  # of the way from model states to the no-plan peak
-# name, batch size, seq_len (vit: image side), tolerance of the no-plan prediction
+# name, batch size, seq_len (vision models: image side), tolerance of the no-plan prediction
 ZOO = [
     ("llama", 4, 64, 0.01),
     ("mistral", 4, 64, 0.01),
@@ -43,6 +43,11 @@ ZOO = [
     ("mixtral", 4, 64, 0.03),
     ("mixtral_loop", 4, 64, 0.03),
     ("attribute_layers", 8, 64, 0.01),
+    ("resnet", 4, 32, 0.01),  # a stage loops over its nn.Sequential without calling it
+    ("deberta_v2", 4, 64, 0.01),  # a recompute that holds more than keeping during its backward
+    ("qwen2_moe", 4, 64, 0.03),  # routed experts plus a gated shared expert
+    ("whisper", 2, 32, 0.01),  # audio encoder-decoder (seq_len: encoder positions)
+    ("mamba", 4, 32, 0.01),  # state-space blocks, no attention
 ]
 
 

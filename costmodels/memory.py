@@ -262,8 +262,10 @@ def model_state_bytes(
     zero_stage: int = 0,
     dp: int = 1,
     foreach: bool = False,
+    trainable_shapes: Sequence[Shape] | None = None,
 ) -> ModelStates:
-    """Parameters and gradients in precision.param_dtype; ZeRO stage k shards by dp (ceil)."""
+    """Parameters and gradients in precision.param_dtype; ZeRO stage k shards by dp (ceil). Only the
+    `trainable_shapes` (default: all parameters) have gradients and optimizer states."""
     check_optimizer(optimizer)
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"invalid zero_stage {zero_stage!r}; choose one of: 0, 1, 2, 3")
@@ -272,12 +274,14 @@ def model_state_bytes(
     dt = precision.param_dtype
     n = sum(_numel(s) for s in param_shapes)
     param = n * dtype_bytes(dt)
+    trained = param_shapes if trainable_shapes is None else trainable_shapes
+    grad = sum(_numel(s) for s in trained) * dtype_bytes(dt)
     return ModelStates(
         num_parameters=n,
         parameter=_shard(param, dp, zero_stage >= 3),
-        gradient=_shard(param, dp, zero_stage >= 2),
-        optimizer=_shard(optimizer_state_bytes(param_shapes, dt, optimizer), dp, zero_stage >= 1),
+        gradient=_shard(grad, dp, zero_stage >= 2),
+        optimizer=_shard(optimizer_state_bytes(trained, dt, optimizer), dp, zero_stage >= 1),
         optimizer_step_temporary=_shard(
-            optimizer_step_temporary_bytes(param_shapes, dt, optimizer, foreach), dp, zero_stage >= 1
+            optimizer_step_temporary_bytes(trained, dt, optimizer, foreach), dp, zero_stage >= 1
         ),
     )

@@ -196,3 +196,124 @@ def test_a_module_list_is_never_planned_as_one_module():
     model, _ = _list_stages(4, 32)
     with pytest.raises(PlanFileError, match="ModuleList with no forward of its own"):
         apply_plan(model, bad)
+
+
+class LoopedStage(nn.Module):
+    """A ResNet-shaped stage: its layers in an nn.Sequential that its forward loops over instead of
+    calling (transformers' ResNetStage), so the Sequential's own forward never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(Layer(), Layer())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class LoopedStages(nn.Module):
+    """Stages that are themselves looped over: the blocks found by structure are never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = nn.Sequential(LoopedStage(), LoopedStage())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            for layer in stage.layers:
+                x = layer(x)
+        return x.pow(2).mean()
+
+
+def test_a_sequential_the_model_loops_over_is_never_planned_as_one_module():
+    """An nn.Sequential has a forward, but a parent that loops over its children never calls it: a
+    plan wrapping it changed nothing (a transformers ResNet planned 'recompute ...stages.0.layers'
+    and ran 6.4% over its budget at the no-plan peak). The trace lists what the model never calls
+    with the containers; blocks it never calls give way to their children."""
+    from costmodels.hardware import get_device
+    from planner.simulation.costs import op_times
+    from planner.simulation.effects import module_span
+    from planner.solver.options import block_options
+
+    spec = ModelSpec(
+        "looped-stages",
+        "stages over looped Sequentials",
+        lambda batch_size, seq_len: (
+            nn.Sequential(LoopedStage(), LoopedStage()),
+            (torch.randn(batch_size, seq_len, WIDTH),),
+        ),
+    )
+    graph = trace(spec, batch_size=4, seq_len=32)
+    assert {"0.layers", "1.layers"} <= set(graph.meta["containers"])
+    times = op_times(graph, get_device("cpu"))
+    assert "recompute 0.layers" not in {o.name for o in block_options(graph, module_span(graph, "0"), times, None)}
+
+    nested = trace(
+        ModelSpec(
+            "looped",
+            "looped blocks",
+            lambda batch_size, seq_len: (LoopedStages(), (torch.randn(batch_size, seq_len, WIDTH),)),
+        ),
+        batch_size=4,
+        seq_len=32,
+    )
+    assert [r.path for r in nested.regions] == [f"stages.{i}.layers.{j}" for i in range(2) for j in range(2)]
+    config = TrainConfig(batch_size=4, seq_len=32)
+    base = simulate(nested, config).peak_bytes
+    plan = solve(nested, config, int(0.8 * base))
+    assert plan.decisions and all(d.module.count(".") == 3 for d in plan.decisions)
+
+
+def test_a_folded_trace_lists_the_looped_over_modules_of_every_block():
+    """A deep run of blocks is traced through a shallow copy (tracing/depth.py): what the shallow
+    trace found looped over holds in every block of the run."""
+    from planner.tracing.depth import FOLD_MIN_RUN
+
+    depth = FOLD_MIN_RUN + 2
+    spec = ModelSpec(
+        "deep-looped",
+        "deep stack of looped stages",
+        lambda batch_size, seq_len: (
+            nn.Sequential(*(LoopedStage() for _ in range(depth))),
+            (torch.randn(batch_size, seq_len, WIDTH),),
+        ),
+    )
+    graph = trace(spec, batch_size=2, seq_len=8)
+    assert graph.meta.get("folded") == depth
+    assert {f"{i}.layers" for i in range(depth)} <= set(graph.meta["containers"])
+
+
+class SharedLayers(nn.Module):
+    """Two layers applied three times each (weights shared across depth, as ALBERT does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer0 = Layer()
+        self.layer1 = Layer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = self.layer1(self.layer0(x))
+        return x.pow(2).mean()
+
+
+def test_a_layer_called_several_times_per_step_is_not_a_block():
+    """A block is one span of the step; a shared layer's three calls are three. Planned as one, its
+    'smallest reachable peak' came out 36% above the no-plan peak. Shared layers are not blocks and
+    no plan may wrap them; the infeasible budget says why there are no blocks."""
+    from planner.errors import InfeasibleBudget
+
+    spec = ModelSpec(
+        "shared",
+        "shared layers",
+        lambda batch_size, seq_len: (SharedLayers(), (torch.randn(batch_size, seq_len, WIDTH),)),
+    )
+    graph = trace(spec, batch_size=4, seq_len=32)
+    assert graph.regions == []
+    assert {"layer0", "layer1", "layer0.up"} <= set(graph.meta["shared_modules"]) <= set(graph.meta["containers"])
+    config = TrainConfig(batch_size=4, seq_len=32)
+    base = simulate(graph, config).peak_bytes
+    with pytest.raises(InfeasibleBudget, match=r"no blocks.*layer0, layer1 run several times per step") as info:
+        solve(graph, config, base // 2)
+    assert info.value.smallest_peak_bytes == base

@@ -62,6 +62,24 @@ def test_folded_trace_is_the_full_trace(monkeypatch, make):
     _assert_folds_exactly(monkeypatch, make(FOLD_MIN_RUN + 1), FOLD_MIN_RUN + 1)
 
 
+def test_folded_trace_keeps_which_parameters_are_frozen(monkeypatch):
+    """Frozen parameters (no gradient, no optimizer states) in every block extend with the copies."""
+
+    def build(batch_size, seq_len):
+        model, inputs = _llama(FOLD_MIN_RUN).build(batch_size=batch_size, seq_len=seq_len)
+        for name, p in model.named_parameters():
+            p.requires_grad_("norm" not in name)
+        return model, inputs
+
+    spec = _spec("llama-frozen-norms", build)
+    folded = recorder.trace(spec, batch_size=1, seq_len=16)
+    full = _unfolded(monkeypatch, lambda: recorder.trace(spec, batch_size=1, seq_len=16))
+    assert folded.meta.get("folded") == FOLD_MIN_RUN and same_graph(folded, full)  # same_graph compares them
+    assert folded.param_trainable.count(False) == 2 * FOLD_MIN_RUN + 1  # two norms a layer, the final norm
+    config = TrainConfig(batch_size=1, seq_len=16)
+    assert simulate(folded, config).model_states == simulate(full, config).model_states
+
+
 def test_folded_trace_is_the_full_trace_in_mixed_precision_under_zero3(monkeypatch):
     _assert_folds_exactly(monkeypatch, _llama(FOLD_MIN_RUN), FOLD_MIN_RUN, precision="bf16-mixed", gathered_params=True)
 

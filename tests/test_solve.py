@@ -103,6 +103,30 @@ def test_infeasible_budget_names_the_smallest_peak():
     assert exhaustive_solve(graph, CONFIG, smallest) is not None
 
 
+def test_a_recompute_that_holds_more_during_its_backward_stays_feasible():
+    """A block's option can add memory in its hold zone (during a DeBERTa layer's backward its
+    recompute holds 128 KiB the plain step had freed). Where that block is the only one held, the
+    solver bounded the held sum at zero and ruled the option out: it called the smallest peak it had
+    itself reported infeasible, and the 60% plan of a transformers DeBERTa-v2 failed."""
+    import numpy as np
+
+    from planner.solver.cpsat import _Problem, _solve_cpsat
+    from planner.solver.options import BlockOption, OptionEffect
+
+    n = 10
+    base = np.array([1000] * 5 + [1100] * 2 + [1000] * 3, dtype=np.int64)
+
+    def block(lo: int, delta: list[int]) -> tuple[list[BlockOption], list[OptionEffect | None]]:
+        effect = OptionEffect(lo, lo + len(delta), np.array(delta, dtype=np.int64), n, None, 1.0, 1, 0)
+        return [BlockOption("keep", None), BlockOption("recompute", None)], [None, effect]
+
+    first, second = block(0, [-50] * 8), block(5, [-60, -60, 10, 10, 10])  # holds +10 over ops 7..9
+    problem = _Problem(base, base, 500, [first[0], second[0]], [first[1], second[1]], np.zeros(n + 1), 5)
+    assert problem.peak_bytes([1, 1]) == 1010  # 1040 and 1050 with one recompute, 1100 with none
+    status, picks, *_ = _solve_cpsat(problem, 1010, 10.0, n)
+    assert status == "OPTIMAL" and picks == [1, 1]
+
+
 def test_below_model_states_is_infeasible():
     graph = cached(16, ((32, "gelu", True), (64, "relu", False)))
     with pytest.raises(InfeasibleBudget, match="smallest peak"):

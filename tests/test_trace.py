@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 
@@ -246,3 +247,42 @@ def test_tied_weights_stay_tied_when_parameters_are_cast():
     cast_parameters(model, torch.bfloat16)
     assert model[1].weight is model[0].weight and model[0].weight.dtype == torch.bfloat16
     assert len(list(model.parameters())) == 1
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_index(n: int) -> torch.Tensor:
+    """A process-wide memo of a tensor built on first use (transformers' BEiT relative positions)."""
+    return torch.arange(n).flip(0).clone()
+
+
+class CachedIndexModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x[:, _cached_index(x.shape[1])]).pow(2).mean()
+
+
+def test_a_forward_that_caches_tensors_across_calls_is_a_one_line_trace_error():
+    """The first fake forward fills the cache, the second reuses it: the op counts differ and the
+    cache now holds a fake tensor (a real step after it silently returned a fake loss). The error
+    says so and what to do."""
+    from planner.tracing.specs import ModelSpec
+
+    _cached_index.cache_clear()
+    spec = ModelSpec(
+        "cached",
+        "a forward with an lru_cache",
+        lambda batch_size, seq_len: (CachedIndexModel(), (torch.randn(batch_size, seq_len, 8),)),
+    )
+    with pytest.raises(
+        TraceError, match=r"fewer ops on its second forward.*lru_cache.*run the model once for real"
+    ) as info:
+        trace(spec, batch_size=2, seq_len=8)
+    assert "\n" not in str(info.value)
+    _cached_index.cache_clear()
+    model, inputs = spec.build(batch_size=2, seq_len=8)
+    model(*inputs)  # filled for real first, the trace reuses the real tensor and succeeds
+    assert trace(spec, batch_size=2, seq_len=8).ops
+    _cached_index.cache_clear()

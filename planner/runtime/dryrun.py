@@ -16,6 +16,7 @@ from planner.config import TrainConfig
 from planner.errors import MemplanError, PlanFileError
 from planner.plans.format import Decision, Plan
 from planner.runtime.apply import apply_plan
+from planner.tracing.blocks import is_segment
 from planner.tracing.fake_build import fake_model
 from planner.tracing.recorder import (
     cast_parameters,
@@ -70,7 +71,8 @@ def planned_errors(plan: Plan) -> Iterator[None]:
 
 def dry_run(spec: ModelSpec, config: TrainConfig, plan: Plan) -> None:
     """One forward and backward of `spec` on fake tensors with `plan` applied (offload
-    decisions left out: they move tensors, not ops); PlanFileError when it fails."""
+    decisions left out: they move tensors, not ops); PlanFileError when it fails or when a
+    planned module's forward never runs (wrapping it would change nothing)."""
     runnable = replace(plan, decisions=tuple(d for d in plan.decisions if d.action != "offload"))
     precision = str(plan.config["precision"])
     with fake_model(spec, config.batch_size, config.seq_len, config.moe_imbalance, config.gpu) as (
@@ -82,6 +84,11 @@ def dry_run(spec: ModelSpec, config: TrainConfig, plan: Plan) -> None:
         if dtype != torch.float32:
             cast_parameters(model, dtype)
         handle = apply_plan(model, runnable)
+        ran: set[str] = set()
+        hooks = [
+            model.get_submodule(path).register_forward_pre_hook(lambda *_, path=path: ran.add(path))
+            for path in {d.module for d in plan.decisions if not is_segment(d.module)}
+        ]
         try:
             with planned_errors(runnable):
                 with forward_context(precision):
@@ -89,3 +96,11 @@ def dry_run(spec: ModelSpec, config: TrainConfig, plan: Plan) -> None:
                 loss.backward()
         finally:
             handle.remove()
+            for hook in hooks:
+                hook.remove()
+        idle = sorted({d.module for d in plan.decisions if not is_segment(d.module)} - ran)
+        if idle:
+            raise PlanFileError(
+                f"module '{idle[0]}' never runs its own forward (its parent loops over its children), so the "
+                "plan's decisions on it would do nothing; plan its children or its parent instead"
+            )

@@ -125,8 +125,16 @@ def model_states_for(graph: OpGraph, config: TrainConfig) -> ModelStates:
     shapes = graph.param_shapes
     if config.zero_stage == 3 and "ep_state_param_shapes" in graph.meta:  # experts sharded over ep, then dp/ep
         shapes = [tuple(s) for s in graph.meta["ep_state_param_shapes"]]
+    flags = graph.param_trainable if len(graph.param_trainable) == len(shapes) else (True,) * len(shapes)
+    trainable = [s for s, t in zip(shapes, flags) if t]  # only these have a gradient and optimizer states
     states = model_state_bytes(
-        shapes, precision, config.optimizer, config.zero_stage, config.shard_ranks, foreach=foreach
+        shapes,
+        precision,
+        config.optimizer,
+        config.zero_stage,
+        config.shard_ranks,
+        foreach=foreach,
+        trainable_shapes=trainable,
     )
     if config.cpu_offload:  # FSDP2 CPUOffloadPolicy: sharded states and the optimizer step live on the host
         return replace(states, parameter=0, gradient=0, optimizer=0, optimizer_step_temporary=0)

@@ -241,10 +241,12 @@ def _solve_cpsat(p: _Problem, budget: int, time_limit_s: float, n: int):
     cuts = {0, n}
     held_vars: list[cp_model.IntVar | None] = []
     held_lo: list[int] = []
+    held_hi: list[int] = []  # a recompute can hold more than keeping (its replay outlives a freed tensor)
     for r, blk in enumerate(blocks):
         if blk is None or blk.hold_hi <= blk.hold_lo:
             held_vars.append(None)
             held_lo.append(0)
+            held_hi.append(0)
             if blk is not None:
                 cuts.update(blk.changes.tolist() + [blk.lo, blk.hi])
             continue
@@ -255,13 +257,16 @@ def _solve_cpsat(p: _Problem, budget: int, time_limit_s: float, n: int):
         model.Add(h == sum(c * y[r][k] for k, c in enumerate(coeffs) if c))
         held_vars.append(h)
         held_lo.append(lo_b)
+        held_hi.append(hi_b)
     group_vars: dict[tuple[int, ...], cp_model.IntVar] = {}
 
     def held_sum(regions: tuple[int, ...]):
         if not regions:
             return 0
         if regions not in group_vars:
-            z = model.NewIntVar(sum(held_lo[r] for r in regions), 0, f"group{len(group_vars)}")
+            z = model.NewIntVar(
+                sum(held_lo[r] for r in regions), sum(held_hi[r] for r in regions), f"group{len(group_vars)}"
+            )
             model.Add(z == sum(held_vars[r] for r in regions))
             group_vars[regions] = z
         return group_vars[regions]
@@ -362,6 +367,18 @@ def _offload_hint(config: TrainConfig, offload: str | None) -> str:
     return " (offload to disk is already counted in that peak)"
 
 
+def _no_blocks_hint(graph: OpGraph) -> str:
+    every = graph.meta.get("shared_modules", ())
+    shared = [p for p in every if not any(p.startswith(q + ".") for q in every)][:3]  # the outermost
+    hint = (
+        "; memplan found no blocks to checkpoint in this model (blocks are the children of nn.ModuleList, "
+        "nn.Sequential or nn.ModuleDict containers, each called once per step)"
+    )
+    if shared:
+        hint += f"; {', '.join(shared)} {'runs' if len(shared) == 1 else 'run'} several times per step (a shared layer)"
+    return hint
+
+
 def _infeasible(graph: OpGraph, config: TrainConfig, budget: int, p: _Problem, offload: str | None) -> InfeasibleBudget:
     best = simulate(graph, config, choices=_min_peak_choices(p))
     top = max(best.breakdown_at_peak.items(), key=lambda kv: kv[1])
@@ -371,12 +388,7 @@ def _infeasible(graph: OpGraph, config: TrainConfig, budget: int, p: _Problem, o
         f"dominated by {top[0]} ({format_bytes(top[1])}); raise --budget to at least that, or cut model "
         "states (--precision bf16-mixed, --optimizer adamw-8bit, --zero 3 --dp N)"
         + _offload_hint(config, offload)
-        + (
-            ""
-            if graph.regions
-            else "; memplan found no blocks to checkpoint in this model (blocks are the "
-            "children of nn.ModuleList, nn.Sequential or nn.ModuleDict containers)"
-        ),
+        + ("" if graph.regions else _no_blocks_hint(graph)),
         smallest_peak_bytes=best.peak_bytes,
     )
 

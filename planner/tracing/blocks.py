@@ -17,7 +17,7 @@ import fnmatch
 import hashlib
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from torch import nn
 
@@ -27,6 +27,7 @@ __all__ = [
     "container_paths",
     "find_region_paths",
     "is_segment",
+    "looped_over",
     "module_signature",
     "parse_segment",
     "runs_forward",
@@ -75,6 +76,17 @@ def runs_forward(module: nn.Module) -> bool:
 def container_paths(model: nn.Module) -> list[str]:
     """Module paths of the model's submodules that have no forward of their own."""
     return [path for path, m in model.named_modules() if path and not runs_forward(m)]
+
+
+def looped_over(model: nn.Module, called: Collection[str]) -> list[str]:
+    """Module paths of submodules whose forward never ran while one of their submodules' did: their
+    parent loops over their children (`for layer in self.layers`, an nn.Sequential iterated rather
+    than called), so a plan that wraps their forward changes nothing."""
+    return [
+        path
+        for path, _ in model.named_modules()
+        if path and path not in called and any(c.startswith(path + ".") for c in called)
+    ]
 
 
 def module_signature(module: nn.Module) -> str:

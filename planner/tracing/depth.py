@@ -361,6 +361,9 @@ def extend(graph: OpGraph, run: BlockRun, copies: int, template_params: tuple[in
     lo, hi = template_params
     shapes = list(graph.param_shapes)
     shapes[hi:hi] = shapes[lo:hi] * copies
+    trainable = list(graph.param_trainable)
+    if trainable:
+        trainable[hi:hi] = trainable[lo:hi] * copies
     return OpGraph(
         ops=ops,
         tensors=tensors,
@@ -368,6 +371,7 @@ def extend(graph: OpGraph, run: BlockRun, copies: int, template_params: tuple[in
         backward_start=x.index[(graph.backward_start, 0)],
         param_shapes=shapes,
         param_dtype=graph.param_dtype,
+        param_trainable=tuple(trainable),
         meta={**graph.meta, "buffer_writes": writes},
         pack_events=tuple((n, module) for n, _, module in events),
     )
@@ -418,6 +422,7 @@ def _canonical(graph: OpGraph) -> tuple:
         graph.backward_start,
         graph.pack_events,
         tuple(graph.param_shapes),
+        graph.param_trainable,
         writes,
     )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +131,7 @@ class OpRecorder(TorchDispatchMode):
         super().__init__()
         self.fqn = {id(m): name for name, m in model.named_modules()}
         self.active: list[str] = []  # modules entered and not yet left, innermost last
+        self.calls: Counter[str] = Counter()  # forward calls per module (called, not just looped over)
         self.tracker = ModTracker()
         self.tracker.register_user_hooks(self._enter, self._leave, self._enter, self._leave)
         self.with_costs = with_costs
@@ -183,7 +185,10 @@ class OpRecorder(TorchDispatchMode):
 
     # -- module attribution (forward and backward hooks of a ModTracker) ---------------------
     def _enter(self, module: nn.Module, *_) -> None:
-        self.active.append(self.fqn.get(id(module), ""))
+        name = self.fqn.get(id(module), "")
+        self.active.append(name)
+        if self.phase == "forward":
+            self.calls[name] += 1
 
     def _leave(self, module: nn.Module, *_) -> None:
         name = self.fqn.get(id(module), "")

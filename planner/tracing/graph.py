@@ -96,6 +96,8 @@ class OpGraph:
     # (ops dispatched so far, module) at each save autograd made in forward: torch's early stop
     # of a recompute happens right after the span's last save
     pack_events: tuple[tuple[int, str], ...] = ()
+    # per parameter, whether it requires grad (empty: all do); frozen ones have no gradient or optimizer state
+    param_trainable: tuple[bool, ...] = ()
     _consumers: dict[int, list[int]] | None = field(default=None, repr=False, compare=False)
     _by_module: dict[str, list[int]] | None = field(default=None, repr=False, compare=False)
     _first_bwd_use: dict[int, int] | None = field(default=None, repr=False, compare=False)

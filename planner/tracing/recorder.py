@@ -28,10 +28,11 @@ from planner.tracing.blocks import (
     container_paths,
     find_region_paths,
     is_segment,
+    looped_over,
     module_signature,
     segment_children,
 )
-from planner.tracing.depth import fold_trace, repeated_run
+from planner.tracing.depth import BlockRun, fold_trace, repeated_run
 from planner.tracing.dispatch import OpRecorder, as_int, local_tensor
 from planner.tracing.fake_build import fake_model
 from planner.tracing.fingerprint import model_fingerprint
@@ -143,7 +144,9 @@ def _regions(
     """
     regions = []
     first_use = graph.first_backward_use()
-    for path in find_region_paths(model, blocks):
+    for path in _called_blocks(model, find_region_paths(model, blocks), set(graph.meta["looped_over"])):
+        if path in graph.meta["shared_modules"]:  # its calls are several spans, not one block
+            continue
         modules = (
             [model.get_submodule(c) for c in segment_children(model, path)]
             if is_segment(path)
@@ -168,6 +171,18 @@ def _regions(
             )
         )
     return regions
+
+
+def _called_blocks(model: nn.Module, paths: list[str], looped: set[str]) -> list[str]:
+    """The blocks, with one the model loops over without calling replaced by its children."""
+    out: list[str] = []
+    for path in paths:
+        if path in looped:
+            children = [f"{path}.{name}" for name, _ in model.get_submodule(path).named_children()]
+            out += _called_blocks(model, children, looped)
+        else:
+            out.append(path)
+    return out
 
 
 def trace_model(
@@ -199,12 +214,31 @@ def trace_model(
     graph = fold_trace(model, run, once) if run is not None else None
     if graph is None:
         graph = once()
+        looped, shared = set(graph.meta.pop("looped_over")), set(graph.meta["shared_modules"])
     else:
         graph.meta.update(
             fingerprint=model_fingerprint(model), num_modules=sum(1 for _ in model.modules()), folded=run.length
         )
-    graph.meta["containers"] = container_paths(model)  # modules a plan cannot wrap (no forward)
+        looped = _across_run(graph.meta.pop("looped_over"), run)
+        shared = _across_run(graph.meta["shared_modules"], run)
+    graph.meta["shared_modules"] = sorted(shared)
+    # modules a plan cannot wrap as one span: no forward of their own, one the model loops over
+    # without calling, or one called several times per step (a layer shared across depths)
+    graph.meta["containers"] = sorted(set(container_paths(model)) | looped | shared)
     return graph
+
+
+def _across_run(paths: Sequence[str], run: BlockRun) -> set[str]:
+    """Paths inside the blocks of a folded run, repeated in every block of the run (the shallow
+    trace called only the first few)."""
+    blocks = [run.path(k) for k in range(run.start, run.start + run.length)]
+    out = set(paths)
+    for path in paths:
+        for block in blocks:
+            if path.startswith(block + "."):
+                rest = path[len(block) :]
+                out.update(b + rest for b in blocks)
+    return out
 
 
 def _trace_once(
@@ -243,6 +277,12 @@ def _trace_once(
     rec.recording = False  # storages alive now outlive the step
     del loss
     ops = _phase_of_forward_ops(rec.ops, backward_start)
+    if lifetimes and len(natural.ops) > backward_start:
+        raise TraceError(
+            f"model '{name}' ran fewer ops on its second forward than on its first ({len(natural.ops)} then "
+            f"{backward_start}): it keeps tensors across calls (a cache such as functools.lru_cache), which now "
+            "hold fake tensors; run the model once for real in this process before tracing it, or turn the cache off"
+        )
     if lifetimes and len(natural.ops) != backward_start:
         raise TraceError(
             f"model '{name}' ran a different forward twice ({len(natural.ops)} vs "
@@ -282,6 +322,7 @@ def _trace_once(
         backward_start=backward_start,
         pack_events=tuple((n, module) for n, module, _ in packs),
         param_shapes=[tuple(as_int(d, "a parameter") for d in local_tensor(p).shape) for p in params],
+        param_trainable=() if all(p.requires_grad for p in params) else tuple(p.requires_grad for p in params),
         param_dtype=param_dtype,
         meta={
             "model": name,
@@ -290,6 +331,8 @@ def _trace_once(
             "natural_lifetimes": lifetimes,
             "num_modules": sum(1 for _ in model.modules()),
             "buffer_writes": _buffer_writes(ops[:backward_start], buffer_names),
+            "looped_over": looped_over(model, rec.calls),
+            "shared_modules": sorted(path for path, n in rec.calls.items() if path and n > 1),
         },
     )
     graph.regions = _regions(model, graph, param_bytes_of, blocks)
