@@ -9,6 +9,7 @@ TORCH_PIN := torch==2.13.0
 # The demo's job: llama-7b at seq 8192, batch 2, on 8 H100s with FSDP2 does not fit; a plan makes it fit.
 DEMO_JOB := --model llama-7b --gpu h100-80gb --seq-len 8192 --batch-size 2 --precision bf16-mixed --zero 3 --dp 8
 FAST := not slow and not compile and not distributed and not bench
+TEST_WORKERS ?= 2  # pytest-xdist processes for the fast tier (one per core of a 2-core CI machine)
 
 .PHONY: demo test test-all lint install bench clean
 
@@ -32,9 +33,10 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# The fast tier: every module, no slow, compile, distributed or benchmark test (under 3 minutes on 2 cores).
+# The fast tier: every module, no slow, compile, distributed or benchmark test, on TEST_WORKERS
+# processes (under 3 minutes on 2 cores).
 test: lint
-	@start=$$(date +%s); $(BIN)/python -m pytest tests -m "$(FAST)"; rc=$$?; \
+	@start=$$(date +%s); $(BIN)/python -m pytest tests -m "$(FAST)" -n $(TEST_WORKERS); rc=$$?; \
 		echo "make test: fast tier took $$(( $$(date +%s) - start )) s"; exit $$rc
 
 test-all: lint

@@ -27,10 +27,9 @@ from planner.simulation.step import Timeline, simulate
 from planner.solver.baselines import check_strategy, strategy_choices
 from planner.tracing.graph import OpGraph
 from planner.tracing.hf import disable_kv_cache
-from planner.tracing.parallel.rank_trace import trace_tp_rank
 from planner.tracing.recorder import trace, trace_for
 from planner.tracing.specs import resolve_spec
-from planner.units import format_bytes
+from planner.units import format_bytes, over_budget
 
 __all__ = [
     "simulate_model",
@@ -121,6 +120,8 @@ def _pipeline_graph(spec: str, config: TrainConfig) -> OpGraph:
     parallel, the first tensor-parallel rank's step."""
     micro = config.batch_size // config.num_microbatches
     if config.tp > 1:
+        from planner.tracing.parallel.rank_trace import trace_tp_rank  # DTensor imports: only under TP
+
         stage = config.with_(
             pp=1, pp_schedule="1f1b", pp_split="uniform", microbatches=None, stages_per_rank=None, batch_size=micro
         )
@@ -345,8 +346,8 @@ def _check_every_rank(spec: str, config: TrainConfig, roles: tuple, plan: Plan, 
     over = [r for r in layout.roles if r.peak_bytes > budget_bytes]
     if over:
         raise InfeasibleBudget(
-            f"the plan for the worst rank leaves rank {over[0].ranks[0]} at {format_bytes(over[0].peak_bytes)}, "
-            f"over the budget {format_bytes(budget_bytes)}; raise the budget or use --tp-plan with even shards",
+            f"the plan for the worst rank leaves rank {over[0].ranks[0]} at "
+            f"{over_budget(over[0].peak_bytes, budget_bytes)}; raise the budget or use --tp-plan with even shards",
             smallest_peak_bytes=layout.peak_bytes,
         )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["format_bytes", "format_count", "parse_bytes"]
+__all__ = ["fit_verdict", "format_bytes", "format_count", "over_budget", "parse_bytes"]
 
 MAX_BYTES = 2**63
 """Sizes at or above this are refused (plans store int64 bytes)."""
@@ -31,6 +31,22 @@ def format_bytes(n: float) -> str:
             return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def fit_verdict(peak_bytes: float, capacity_bytes: float) -> str:
+    """The one wording of whether a peak fits: 'fits (headroom 1.50 GiB)' or 'does NOT fit (short by 2.00 GiB)'."""
+    free = capacity_bytes - peak_bytes
+    if free >= 0:
+        return f"fits (headroom {format_bytes(free)})"
+    return f"does NOT fit (short by {format_bytes(-free)})"
+
+
+def over_budget(peak_bytes: float, budget_bytes: float) -> str:
+    """The one wording of a peak above its budget: '42.00 GiB, over the budget 40.00 GiB by 2.00 GiB'."""
+    return (
+        f"{format_bytes(peak_bytes)}, over the budget {format_bytes(budget_bytes)} "
+        f"by {format_bytes(peak_bytes - budget_bytes)}"
+    )
 
 
 def format_count(n: int) -> str:

@@ -25,8 +25,8 @@ from planner.simulation.costs import model_states_for, storage_bytes
 from planner.simulation.step import Timeline, simulate, step_events
 from planner.solver.planning import solve
 from planner.tracing.graph import OpGraph
-from planner.tracing.recorder import trace_for
-from planner.units import format_bytes
+from planner.tracing.recorder import TraceCache
+from planner.units import fit_verdict, format_bytes
 
 __all__ = [
     "Remedy",
@@ -141,25 +141,7 @@ def _relative_time(new: Timeline, base: Timeline) -> float:
     return new.costs.step_s / base.costs.step_s - 1.0 if base.costs.step_s > 0 else 0.0
 
 
-class _Traces:
-    """Memoised traces keyed by the shape/precision/stage fields the trace depends on."""
-
-    def __init__(self, spec: str) -> None:
-        self.spec = spec
-        self._graphs: dict[tuple, OpGraph] = {}
-
-    def __call__(self, config: TrainConfig) -> OpGraph:
-        key = (config.batch_size, config.seq_len, config.precision, config.zero_stage == 3)
-        if key not in self._graphs:
-            self._graphs[key] = trace_for(self.spec, config)
-        return self._graphs[key]
-
-    @property
-    def count(self) -> int:
-        return len(self._graphs)
-
-
-def _longest_seq(traces: _Traces, config: TrainConfig, capacity: int) -> int | None:
+def _longest_seq(traces: TraceCache, config: TrainConfig, capacity: int) -> int | None:
     """Longest seq_len <= config.seq_len that fits: binary search over halvings, then bisection."""
 
     def fits(seq: int) -> bool:
@@ -201,7 +183,7 @@ def _longest_seq(traces: _Traces, config: TrainConfig, capacity: int) -> int | N
 
 # -- remedies -------------------------------------------------------------------------------------
 def _remedies(
-    traces: _Traces,
+    traces: TraceCache,
     config: TrainConfig,
     base: Timeline,
     verdict: str,
@@ -358,7 +340,7 @@ def diagnose(
 ) -> Diagnosis:
     """Trace and simulate one step of `spec` under `config` on `config.gpu`, classify it, rank remedies."""
     capacity = get_device(config.gpu).memory_bytes
-    traces = _Traces(spec)
+    traces = TraceCache(spec)
     graph = traces(config)
     tl = simulate(graph, config)
     states = sum(tl.model_states.values())
@@ -428,14 +410,18 @@ def _summary(
             if longest
             else "; no sequence length fits at this batch size"
         )
-        peak, device = format_bytes(tl.peak_bytes), format_bytes(capacity)
-        return f"out of memory during the step: peak {peak} in {where} exceeds {device}{tail}"
+        peak, device, verdict_text = (
+            format_bytes(tl.peak_bytes),
+            format_bytes(capacity),
+            fit_verdict(tl.peak_bytes, capacity),
+        )
+        return f"out of memory during the step: peak {peak} in {where} on {device}: {verdict_text}{tail}"
     if verdict == "at-risk":
         return (
-            f"fits with {format_bytes(capacity - tl.peak_bytes)} headroom, less than the allocator's expected "
+            f"{fit_verdict(tl.peak_bytes, capacity)}, less than the allocator's expected "
             f"overhead {format_bytes(expected)}: a real run may OOM (peak in {where})"
         )
-    return f"peak {format_bytes(tl.peak_bytes)} in {where} leaves {format_bytes(capacity - tl.peak_bytes)} headroom"
+    return f"peak {format_bytes(tl.peak_bytes)} in {where}: {fit_verdict(tl.peak_bytes, capacity)}"
 
 
 def diagnose_snapshot(path: str):

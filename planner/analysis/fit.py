@@ -20,7 +20,7 @@ from planner.simulation.step import simulate
 from planner.solver.baselines import strategy_choices
 from planner.solver.planning import solve
 from planner.tracing.graph import OpGraph
-from planner.tracing.recorder import trace_for
+from planner.tracing.recorder import TraceCache, trace_for, trace_key
 from planner.units import format_bytes
 
 __all__ = ["FitResult", "fit", "largest_fitting"]
@@ -191,7 +191,8 @@ def fit(
     capacity = get_device(config.gpu).memory_bytes
     budget = usable_bytes(capacity, reserve)
     base = config.with_(zero_stage=3, dp=1)
-    check = _Checker(trace_for(spec, base), budget, time_limit_s)
+    traces = TraceCache(spec)
+    check = _Checker(traces(base), budget, time_limit_s)
 
     def at(dp: int) -> TrainConfig:
         return config.with_(zero_stage=3, dp=dp)
@@ -200,7 +201,7 @@ def fit(
     if search_configurations:
 
         def trace_micro_batch(batch_size: int) -> OpGraph:
-            return check.graph if batch_size == base.batch_size else trace_for(spec, base.with_(batch_size=batch_size))
+            return traces(base.with_(batch_size=batch_size))
 
         configurations = cheapest_configuration(
             trace_micro_batch, config, budget, max_gpus=max_gpus, time_limit_s=time_limit_s
@@ -266,14 +267,15 @@ def largest_fitting(
     capacity = get_device(config.gpu).memory_bytes
     budget = usable_bytes(capacity, reserve)
     run = config.with_(zero_stage=3, dp=gpus) if gpus > 1 else config.with_(dp=1)
-    checkers: dict[tuple[int, int], _Checker] = {}
+    checkers: dict[tuple, _Checker] = {}
     limits: dict[str, str] = {}
 
     def checker(batch: int, seq: int) -> tuple[_Checker, TrainConfig]:
         c = run.with_(batch_size=batch, seq_len=seq)
-        if (batch, seq) not in checkers:
-            checkers[(batch, seq)] = _Checker(trace_for(spec, c), budget, time_limit_s)
-        return checkers[(batch, seq)], c
+        key = trace_key(c)
+        if key not in checkers:
+            checkers[key] = _Checker(trace_for(spec, c), budget, time_limit_s)
+        return checkers[key], c
 
     def test(batch: int, seq: int, with_plan: bool, name: str) -> bool:
         try:

@@ -41,7 +41,7 @@ from planner.solver.planning import solve
 from planner.tracing.graph import OpGraph
 from planner.tracing.parallel.rank_trace import trace_tp_rank
 from planner.tracing.recorder import trace_for
-from planner.units import format_bytes
+from planner.units import format_bytes, over_budget
 
 __all__ = [
     "DEFAULT_GLOBAL_BATCH_TOKENS",
@@ -464,8 +464,8 @@ def _why_none(layouts: list[Layout], search: _Search, max_gpus: int, budget: int
     if not layouts and search.lightest_states is not None:
         states, label = search.lightest_states
         return (
-            f"the model states alone are at least {format_bytes(states)} per GPU on the lightest layout ({label}), "
-            f"over the budget {format_bytes(budget)}: raise --max-gpus"
+            f"the model states alone are at least {over_budget(states, budget)} per GPU on the lightest "
+            f"layout ({label}): raise --max-gpus"
         )
     if not layouts:
         return (
@@ -480,8 +480,8 @@ def _why_none(layouts: list[Layout], search: _Search, max_gpus: int, budget: int
             f"per GPU (more than {format_bytes(HOST_MEMORY_BYTES_PER_GPU)}); raise --max-gpus"
         )
     return (
-        f"on {top} GPUs the lowest peak is {format_bytes(best.peak_bytes)} per GPU ({best.label}, recompute "
-        f"{best.recompute}{', host offload' if best.offload else ''}), over the budget {format_bytes(budget)}: "
+        f"on {top} GPUs the lowest peak is {over_budget(best.peak_bytes, budget)} per GPU ({best.label}, "
+        f"recompute {best.recompute}{', host offload' if best.offload else ''}): "
         "raise --max-gpus, shorten the sequence or the micro-batch"
     )
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from planner.safe_io import write_bytes
-from planner.units import format_bytes, format_count
+from planner.units import fit_verdict, format_bytes, format_count
 
 if TYPE_CHECKING:
     from planner.analysis.configurations import ConfigurationReport
@@ -58,11 +58,8 @@ def timeline_table(result: dict, capacity_bytes: int | None = None) -> str:
     if "moe_routing" in result.get("config", {}):
         lines.append(describe_routing(result["config"]["moe_routing"]))
     if capacity_bytes:
-        free = capacity_bytes - result["peak_bytes"]
-        verdict = "fits" if free >= 0 else "does NOT fit"
         lines.append(
-            f"device capacity {format_bytes(capacity_bytes)}: {verdict} "
-            f"({'headroom' if free >= 0 else 'short by'} {format_bytes(abs(free))})"
+            f"device capacity {format_bytes(capacity_bytes)}: {fit_verdict(result['peak_bytes'], capacity_bytes)}"
         )
     return "\n".join(lines)
 

@@ -30,8 +30,6 @@ from planner.safe_io import JSON_MAX_BYTES, clean, loads_json, read_bounded, wri
 
 __all__ = [
     "SCHEMA_VERSION",
-    "ACTIONS",
-    "TARGETS",
     "Decision",
     "Predicted",
     "SolverInfo",
@@ -49,8 +47,6 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 KINDS = ("plan", "ladder", "compiled", "stages")
-ACTIONS = ("keep", "recompute", "offload")
-TARGETS = ("cpu", "disk")
 
 Action = Literal["keep", "recompute", "offload"]
 Target = Literal["cpu", "disk"]

@@ -25,7 +25,8 @@ from planner.analysis.oom_message import explain_oom_message
 from planner.config import TrainConfig
 from planner.simulation.step import simulate
 from planner.tracing.graph import OpGraph
-from planner.units import format_bytes
+from planner.tracing.recorder import trace_key
+from planner.units import fit_verdict, format_bytes
 
 __all__ = ["OomContext", "OomReport", "build_oom_report", "failing_module", "write_oom_report"]
 
@@ -96,7 +97,7 @@ class OomReport:
                 + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.predicted_breakdown.items() if v)
             )
         for i, r in enumerate(self.remedies, 1):
-            fits = "fits" if r.fits else "does not fit"
+            fits = fit_verdict(r.peak_bytes, self.capacity_bytes) if self.capacity_bytes else "capacity unknown"
             lines.append(
                 f"  {i}. {r.name}: {r.description} -> peak {format_bytes(r.peak_bytes)} ({fits}, "
                 f"{r.overhead * 100:+.1f}% time)"
@@ -130,14 +131,14 @@ class _LiveTraces:
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
-        self._graphs: dict[tuple[int, str], OpGraph] = {}
+        self._graphs: dict[tuple, OpGraph] = {}
 
     def __call__(self, config: TrainConfig) -> OpGraph:
         h = self.handle
         graph = h.graph_at(h.seq_len)
         if config.batch_size == int(graph.meta["batch_size"]) and config.precision == h.config.precision:
             return graph  # ZeRO changes model states only: the same trace
-        key = (config.batch_size, config.precision)
+        key = trace_key(config)
         if key not in self._graphs:
             self._graphs[key] = h.tracer.retrace(h.seq_len, config.batch_size, config.precision)
         return self._graphs[key]

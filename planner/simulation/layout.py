@@ -21,9 +21,6 @@ from planner.simulation.effects import SpanChoice
 from planner.simulation.ranks import LayoutTimeline, RankRole, group_roles
 from planner.simulation.step import simulate
 from planner.tracing.graph import OpGraph
-from planner.tracing.parallel.ep_plans import resolve_ep_plan
-from planner.tracing.parallel.rank_trace import stage_rank, trace_tp_rank
-from planner.tracing.parallel.tp_plans import tp_plan_for
 
 __all__ = ["is_tensor_parallel", "layout_timeline", "simulate_ranks", "trace_roles"]
 
@@ -53,6 +50,11 @@ def trace_roles(spec: str, config: TrainConfig, lifetimes: bool = True) -> tuple
     of each distinct key): one trace per distinct role. TP (EP) indices share a role where their
     local shapes (received rows) match; every cp index is its own."""
     _check_supported(config)
+    # DTensor's modules take 0.3 s to import; a layout without TP, CP or EP never needs them
+    from planner.tracing.parallel.ep_plans import resolve_ep_plan
+    from planner.tracing.parallel.rank_trace import stage_rank, trace_tp_rank
+    from planner.tracing.parallel.tp_plans import tp_plan_for
+
     tp_plan = tp_plan_for(config)
     ep_plan = resolve_ep_plan(config.ep_plan) if config.ep > 1 else None
     keys: dict[tuple[int, int], tuple] = {}

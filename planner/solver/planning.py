@@ -15,7 +15,7 @@ from planner.simulation.step import simulate
 from planner.solver.baselines import check_strategy, strategy_choices
 from planner.solver.cpsat import solve_choices
 from planner.tracing.graph import OpGraph
-from planner.units import format_bytes
+from planner.units import over_budget
 
 __all__ = ["solve", "decisions_for", "graph_model_info", "make_plan", "StrategyRow", "compare_strategies", "BASELINES"]
 
@@ -128,8 +128,8 @@ def solve(
     timeline = simulate(graph, config, choices=choices)
     if timeline.peak_bytes > budget_bytes:
         raise InfeasibleBudget(
-            f"strategy '{strategy}' peaks at {format_bytes(timeline.peak_bytes)}, over the budget "
-            f"{format_bytes(budget_bytes)}; use --strategy optimal or raise --budget",
+            f"strategy '{strategy}' peaks at {over_budget(timeline.peak_bytes, budget_bytes)}; "
+            "use --strategy optimal or raise --budget",
             smallest_peak_bytes=timeline.peak_bytes,
         )
     added = timeline.costs.recompute_s + timeline.costs.exposed_offload_s

@@ -41,6 +41,7 @@ from planner.tracing.specs import ModelSpec, resolve_spec
 
 __all__ = [
     "FULL_TRACE_ENV",
+    "TraceCache",
     "TraceError",
     "cast_parameters",
     "forward_context",
@@ -48,6 +49,7 @@ __all__ = [
     "run_step_inputs",
     "trace",
     "trace_for",
+    "trace_key",
     "trace_model",
 ]
 
@@ -469,6 +471,38 @@ def trace(
         graph.meta["moe"] = routing.to_dict()
     graph.meta.update(batch_size=batch_size, seq_len=seq_len)
     return graph
+
+
+def trace_key(config: TrainConfig) -> tuple:
+    """What :func:`trace_for` reads from a config: configs with equal keys have the same trace."""
+    return (
+        config.batch_size,
+        config.seq_len,
+        config.precision,
+        config.zero_stage == 3,
+        config.moe_imbalance,
+        tuple(config.blocks),
+        config.gpu,
+    )
+
+
+class TraceCache:
+    """Traces of one model, one per :func:`trace_key` (searches that revisit a config trace it once)."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        self._graphs: dict[tuple, OpGraph] = {}
+
+    def __call__(self, config: TrainConfig) -> OpGraph:
+        key = trace_key(config)
+        if key not in self._graphs:
+            self._graphs[key] = trace_for(self.spec, config)
+        return self._graphs[key]
+
+    @property
+    def count(self) -> int:
+        """Traces made so far."""
+        return len(self._graphs)
 
 
 def trace_for(spec: str, config: TrainConfig, lifetimes: bool = True):
