@@ -286,3 +286,18 @@ def test_a_forward_that_caches_tensors_across_calls_is_a_one_line_trace_error():
     model(*inputs)  # filled for real first, the trace reuses the real tensor and succeeds
     assert trace(spec, batch_size=2, seq_len=8).ops
     _cached_index.cache_clear()
+
+
+def test_trace_cache_keys_on_every_field_a_trace_reads():
+    """Configs that differ only in what the trace does not read (data-parallel degree) share one
+    trace; a different target GPU (its attention kernel) or sequence is traced again."""
+    from planner.config import TrainConfig
+    from planner.tracing.recorder import TraceCache, trace_key
+
+    base = TrainConfig(seq_len=32, zero_stage=3, dp=2)
+    assert trace_key(base) == trace_key(base.with_(dp=8))
+    assert trace_key(base) != trace_key(base.with_(gpu="h100-80gb"))
+    traces = TraceCache("gpt2-tiny")
+    assert traces(base) is traces(base.with_(dp=8))
+    traces(base.with_(seq_len=16))
+    assert traces.count == 2
