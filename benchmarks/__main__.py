@@ -31,6 +31,9 @@ TABLES["layouts"] = "layouts"  # whole-layout search (benchmarks/layouts.py)
 TABLES["hot_path"] = "hot_path"  # simulate/plan wall time, folded vs full trace (benchmarks/hot_path.py)
 TABLES["tp_megatron"] = "tp_megatron"  # llama-70b at TP 1/2/4/8 against Megatron's formula (benchmarks/tp_megatron.py)
 TABLES["ep"] = "expert_parallel"  # EP roles per rank, DeepSeek-V3 at EP 32 (benchmarks/expert_parallel.py)
+TABLES["hidden_recompute"] = (
+    "hidden_recompute"  # plans priced by step time vs recompute time (benchmarks/hidden_recompute.py)
+)
 
 
 def main(argv: list[str] | None = None) -> int:

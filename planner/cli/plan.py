@@ -106,6 +106,11 @@ def _plan_one(args, config, budget: int | str):
     print(report.table(["strategy", "peak", "overhead", "fits"], lines))
     if "moe_routing" in plan.config:
         print(describe_routing(plan.config["moe_routing"]))
+    if plan.predicted.hidden_recompute_s > 0:
+        print(
+            f"recompute {plan.predicted.recompute_s:.4g}s, of which {plan.predicted.hidden_recompute_s:.4g}s runs "
+            "while a block's backward waits for its next all-gather (it adds nothing to the step)"
+        )
     s = plan.solver
     print(
         f"solver: {s.status}, added time {s.objective:.4g}s, bound {s.bound:.4g}s, gap {s.gap * 100:.2f}%, "

@@ -153,6 +153,7 @@ class Predicted:
     exposed_offload_s: float
     step_s: float
     overhead: float  # added time / step time
+    hidden_recompute_s: float = 0.0  # recompute run while the step waited on communication
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

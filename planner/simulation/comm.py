@@ -7,12 +7,18 @@ i + 1's all-gather runs (the CPU issues it ahead of the GPU). In backward each b
 all-gather of the block that runs next (explicit backward prefetch), and its gradients are
 reduce-scattered as soon as its backward ends. All collectives share one link and run in the order
 they are issued. Kernel-launch and collective-latency terms are left out.
+
+A plan's recompute replays a block's forward at the start of that block's backward, on the compute
+stream, while the link still carries the all-gather of the block that runs next and earlier
+reduce-scatters: where the backward waits for that all-gather, the replay fills the wait and only
+what exceeds it lengthens the step. (Tensor-parallel collectives are different: the compute stream
+waits on them, so they are compute time here and hide nothing.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -22,7 +28,14 @@ from planner.config import TrainConfig
 from planner.simulation.fsdp import fsdp_itemsizes
 from planner.tracing.graph import OpGraph
 
-__all__ = ["BlockTimes", "CommSchedule", "fsdp_communication", "fsdp_schedule", "step_communication"]
+__all__ = [
+    "BlockTimes",
+    "CommSchedule",
+    "block_recompute_s",
+    "fsdp_communication",
+    "fsdp_schedule",
+    "step_communication",
+]
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,9 @@ class CommSchedule:
     compute_s: float
     communication_s: float
     exposed_communication_s: float
+    # per FSDP block (forward order): seconds the compute stream waits after the block's backward for
+    # the next block's all-gather; compute added to that backward (its recompute) runs in the wait
+    backward_wait_s: tuple[float, ...] = ()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -91,13 +107,19 @@ def fsdp_schedule(
     last = len(blocks) - 1
     if reshard_after_forward and blocks:
         gathered[last] = link.issue(backward_start, blocks[last].gather_s)
+    waits = [0.0] * len(blocks)
     for i in range(last, -1, -1):
         start = max(t, gathered[i]) if reshard_after_forward else t
+        if i < last:
+            waits[i + 1] = start - t
         if reshard_after_forward and i > 0:
             gathered[i - 1] = link.issue(start, blocks[i - 1].gather_s)
         t = start + blocks[i].backward_s
+        queued_s = link.free_at_s - t  # the link is busy this long after the block's backward ends
         link.issue(t, blocks[i].reduce_s)
     t += root.backward_s
+    if blocks:  # block 0's backward is followed by the root's and the step's last reduce-scatters
+        waits[0] = max(0.0, min(queued_s, link.free_at_s - t))
     end = max(t, link.issue(t, root.reduce_s))
     compute = (
         root.forward_s
@@ -106,7 +128,7 @@ def fsdp_schedule(
         + head_backward_s
         + sum(b.forward_s + b.backward_s for b in blocks)
     )
-    return CommSchedule(compute, link.busy_s, max(0.0, end - compute))
+    return CommSchedule(compute, link.busy_s, max(0.0, end - compute), tuple(waits))
 
 
 def fsdp_communication(
@@ -118,12 +140,14 @@ def fsdp_communication(
     reduce_bytes_per_gathered_byte: float = 1.0,
     reshard_after_forward: bool = True,
     stride: int = 1,
+    recompute_s: Sequence[float] = (),
 ) -> CommSchedule:
     """The FSDP2 schedule of a traced step whose blocks are the FSDP units and the rest is the root.
 
     `times` are per-op seconds; gathered bytes are the blocks' traced parameter bytes (a ZeRO-3 trace
     holds parameters in the dtype FSDP gathers them in); reduce-scattered bytes scale them by
     `reduce_bytes_per_gathered_byte` (2.0 when bf16 parameters reduce gradients in fp32).
+    `recompute_s[i]` is what a plan replays at the start of block i's backward (forward order).
     """
     regions = sorted(graph.regions, key=lambda r: r.fwd_start)
     if not regions:
@@ -148,6 +172,7 @@ def fsdp_communication(
     head_backward = float(times[graph.backward_start : min(r.bwd_start for r in regions)].sum())
     root_backward = float(times.sum()) - in_blocks - pre_forward - head_forward - head_backward
     root = unit(pre_forward, max(0.0, root_backward), root_bytes)
+    blocks = [replace(b, backward_s=b.backward_s + r) for b, r in zip(blocks, recompute_s)] + blocks[len(recompute_s) :]
     return fsdp_schedule(
         blocks,
         root=root,
@@ -157,11 +182,27 @@ def fsdp_communication(
     )
 
 
+def block_recompute_s(graph: OpGraph, replays: Iterable[tuple[int, float]]) -> list[float]:
+    """Seconds replayed in each block's backward (graph.regions in forward order) from (first forward
+    op of the replayed module, seconds) pairs; a module outside every block replays in none."""
+    regions = sorted(graph.regions, key=lambda r: r.fwd_start)
+    out = [0.0] * len(regions)
+    for op, seconds in replays:
+        for i, r in enumerate(regions):
+            if r.fwd_start <= op < r.fwd_end:
+                out[i] += seconds
+                break
+    return out
+
+
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default gradient bucket
 
 
-def step_communication(graph: OpGraph, times: np.ndarray, config: TrainConfig, device: DeviceSpec) -> CommSchedule:
-    """Communication of one data-parallel step.
+def step_communication(
+    graph: OpGraph, times: np.ndarray, config: TrainConfig, device: DeviceSpec, recompute_s: Sequence[float] = ()
+) -> CommSchedule:
+    """Communication of one data-parallel step, with `recompute_s[i]` seconds of a plan's replays
+    at the start of block i's backward (graph.regions in forward order) on the compute stream.
 
     ZeRO-3 is FSDP2's schedule (:func:`fsdp_communication`). Below it every gradient is all-reduced
     (DDP, ZeRO-1) or reduce-scattered with the updated parameters all-gathered after the step
@@ -183,10 +224,12 @@ def step_communication(graph: OpGraph, times: np.ndarray, config: TrainConfig, d
             reduce_bytes_per_gathered_byte=reduce_itemsize / gathered_itemsize,
             reshard_after_forward=config.reshard_after_forward is not False,
             stride=config.tp,
+            recompute_s=recompute_s,
         )
     grad_bytes = sum(t.nbytes for t in graph.tensors.values() if t.category == "gradient")
     stride = config.tp  # consecutive members of a dp × cp group are tp ranks apart
     comm = 2 * collective_time_s(grad_bytes, dp, device, stride)
     last_bucket = 2 * collective_time_s(min(grad_bytes, DDP_BUCKET_BYTES), dp, device, stride)
-    backward_s = float(times[graph.backward_start :].sum())
-    return CommSchedule(float(times.sum()), comm, max(comm - backward_s, last_bucket))
+    replayed_s = float(sum(recompute_s))
+    backward_s = float(times[graph.backward_start :].sum()) + replayed_s
+    return CommSchedule(float(times.sum()) + replayed_s, comm, max(comm - backward_s, last_bucket))

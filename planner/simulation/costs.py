@@ -39,11 +39,17 @@ class StepCosts:
     exposed_offload_s: float
     communication_s: float = 0.0  # data-parallel collectives, hidden or not
     exposed_communication_s: float = 0.0  # the part compute does not hide (inside step_s)
+    hidden_recompute_s: float = 0.0  # recompute run while the step waited on communication (adds nothing)
+
+    @property
+    def added_s(self) -> float:
+        """Seconds the plan adds to the step: recompute not hidden in a wait, and exposed offload."""
+        return self.recompute_s - self.hidden_recompute_s + self.exposed_offload_s
 
     @property
     def overhead(self) -> float:
-        base = self.step_s - self.recompute_s - self.exposed_offload_s
-        return (self.recompute_s + self.exposed_offload_s) / base if base > 0 else 0.0
+        base = self.step_s - self.added_s
+        return self.added_s / base if base > 0 else 0.0
 
     def to_dict(self) -> dict:
         return {**asdict(self), "overhead": self.overhead}

@@ -18,7 +18,7 @@ import math
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from ortools.sat.python import cp_model
@@ -27,6 +27,7 @@ from costmodels.hardware import get_device
 from planner.config import DEFAULT_TIME_LIMIT_S, TrainConfig
 from planner.errors import InfeasibleBudget, MemplanError, SolverTimeout
 from planner.signals import interruptible
+from planner.simulation.comm import step_communication
 from planner.simulation.costs import op_times, storage_bytes
 from planner.simulation.effects import SpanChoice, exposed_transfer_s
 from planner.simulation.step import Timeline, simulate
@@ -102,13 +103,20 @@ class _Problem:
 
 
 def _problem(
-    graph: OpGraph, config: TrainConfig, offload: str | None, keep: set[str], force: set[str], times: np.ndarray
+    graph: OpGraph,
+    config: TrainConfig,
+    offload: str | None,
+    keep: set[str],
+    force: set[str],
+    times: np.ndarray,
+    hide_in_communication: bool,
 ) -> _Problem:
     base = simulate(graph, config)
     total = base.total
     sizes = storage_bytes(graph, config)
     allocs = np.array([sum(sizes[t] for t in op.allocs) for op in graph.ops], dtype=np.int64)
     device = get_device(config.gpu)
+    waits = _backward_waits(graph, config, times) if hide_in_communication else {}
     options, effects = [], []
     for span in block_spans(graph):
         if span.path in keep:
@@ -122,6 +130,11 @@ def _problem(
                     if o.choice is not None and o.choice.mode == "recompute" and o.choice.span.path == span.path
                 ]
         effs = [None if o.choice is None else option_effect(graph, o.choice, times, device, sizes) for o in opts]
+        wait_s = waits.get(span.path, 0.0)
+        effs = [
+            replace(e, hidden_s=min(e.cost_s, wait_s)) if e is not None and e.transfer is None and wait_s else e
+            for e in effs
+        ]
         opts, effs = _undominated(opts, effs)
         options.append(opts)
         effects.append(effs)
@@ -138,20 +151,35 @@ def _problem(
     )
 
 
+def _backward_waits(graph: OpGraph, config: TrainConfig, times: np.ndarray) -> dict[str, float]:
+    """Seconds each block's backward waits on communication without a plan, by block path: a
+    recompute in that block runs in the wait (planner.simulation.comm), so up to that much of it
+    adds nothing to the step."""
+    schedule = step_communication(graph, times, config, get_device(config.gpu))
+    regions = sorted(graph.regions, key=lambda r: r.fwd_start)
+    return {r.path: w for r, w in zip(regions, schedule.backward_wait_s) if w > 0}
+
+
 _PROBLEMS: dict[tuple, tuple[weakref.ref, _Problem]] = {}
 _PROBLEMS_KEPT = 4  # a fit search sweeps many configs of one graph: keep only the latest few
 
 
 def _cached_problem(
-    graph: OpGraph, config: TrainConfig, offload: str | None, keep: set[str], force: set[str]
+    graph: OpGraph,
+    config: TrainConfig,
+    offload: str | None,
+    keep: set[str],
+    force: set[str],
+    hide_in_communication: bool = True,
 ) -> _Problem:
     """_problem, kept while the graph lives: it does not depend on the budget, so re-planning the same
     trace for another budget (auto_checkpoint's set_budget, the monitor) skips the option effects."""
-    key = (id(graph), get_device(config.gpu), config, offload, frozenset(keep), frozenset(force))
+    key = (id(graph), get_device(config.gpu), config, offload, frozenset(keep), frozenset(force), hide_in_communication)
     hit = _PROBLEMS.get(key)
     if hit is not None and hit[0]() is graph:
         return hit[1]
-    problem = _problem(graph, config, offload, keep, force, op_times(graph, get_device(config.gpu)))
+    times = op_times(graph, get_device(config.gpu))
+    problem = _problem(graph, config, offload, keep, force, times, hide_in_communication)
     while len(_PROBLEMS) >= _PROBLEMS_KEPT:
         del _PROBLEMS[next(iter(_PROBLEMS))]
     _PROBLEMS[key] = (weakref.ref(graph), problem)
@@ -168,7 +196,7 @@ def _undominated(opts: list[BlockOption], effs: list[OptionEffect | None]):
         d = np.zeros(length, dtype=np.int64)
         d[e.lo - lo : e.hi - lo] = e.delta
         # an offload's store adds between 0 and store_s to the link's stall
-        return e.cost_s, d, e.replay_peak or 0, e.cost_s + e.store_s
+        return e.priced_s, d, e.replay_peak or 0, e.priced_s + e.store_s
 
     real = [e for e in effs if e is not None]
     if not real:
@@ -298,7 +326,7 @@ def _solve_cpsat(p: _Problem, budget: int, time_limit_s: float, n: int):
             if eff.replay_peak <= own + int(p.base_post[b] - p.base_pre[b]):
                 continue  # never above the op's own sample, which a segment row bounds
             row(b, b + 1, int(p.base_pre[b]), own=r, own_terms=up(eff.replay_peak) * y[r][k])
-    costs = [[0.0 if e is None else e.cost_s for e in effs] for effs in p.effects]
+    costs = [[0.0 if e is None else e.priced_s for e in effs] for effs in p.effects]
     stores = [
         (e.transfer.ready_op, e.store_s, y[r][k])
         for r, effs in enumerate(p.effects)
@@ -455,7 +483,7 @@ class _Greedy:
             self.level[i] = np.pad(level, (0, pad), mode="edge")
             seg = blk.rows[:, starts - blk.lo]
             self.seg[i, : len(seg)] = np.pad(seg, ((0, 0), (0, pad)), mode="edge")
-            self.cost[i, : k_real[i]] = [0.0 if e is None else e.cost_s + e.store_s for e in p.effects[r]]
+            self.cost[i, : k_real[i]] = [0.0 if e is None else e.priced_s + e.store_s for e in p.effects[r]]
         # replays: every option's replay point, and each option's delta at every such point
         at = np.full((rows, k_max), -1, dtype=np.int64)
         peak = np.zeros((rows, k_max), dtype=np.int64)
@@ -619,8 +647,12 @@ def solve_choices(
     keep: Sequence[str] = (),
     recompute: Sequence[str] = (),
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    hide_in_communication: bool = True,
 ) -> SolveResult:
-    """Cheapest span choices whose simulated peak fits `budget_bytes` (CP-SAT, deterministic)."""
+    """Span choices whose simulated peak fits `budget_bytes` and that add the least step time (CP-SAT,
+    deterministic). A recompute that runs while its block's backward waits on data-parallel
+    communication adds only what exceeds the wait; `hide_in_communication=False` prices every
+    recompute in full (the least recompute time, whatever the waits)."""
     if budget_bytes <= 0:
         raise MemplanError(f"budget must be positive, got {budget_bytes}")
     if not time_limit_s > 0:
@@ -636,7 +668,7 @@ def solve_choices(
     force_set = _match(paths, recompute, "--recompute")
     if keep_set & force_set:
         raise MemplanError(f"modules both kept and recomputed: {', '.join(sorted(keep_set & force_set))}")
-    p = _cached_problem(graph, config, offload, keep_set, force_set)
+    p = _cached_problem(graph, config, offload, keep_set, force_set, hide_in_communication)
     n = len(graph.ops)
     if p.optimizer_peak > budget_bytes:
         raise _infeasible(graph, config, budget_bytes, p, offload)

@@ -43,6 +43,9 @@ class BlockOption:
     choice: SpanChoice | None
 
 
+HIDDEN_PRICE = 0.01  # a recompute second hidden in a communication wait, against one that adds to the step
+
+
 @dataclass(frozen=True)
 class OptionEffect:
     """Exact effect of an option on the curve, summed from its events (:func:`choice_effect`).
@@ -51,7 +54,8 @@ class OptionEffect:
     `replay_at` is the op before which the replay runs and `replay_peak` the option's own change
     of live bytes at the highest sample of its replay (None: no replay), on top of the curve just
     before that op's allocations. `cost_s` is the recompute time, or an offload's load time; its
-    store (`transfer`, `store_s` seconds) is priced on the one shared link.
+    store (`transfer`, `store_s` seconds) is priced on the one shared link. `hidden_s` is the part
+    of a recompute that runs while its block's backward would wait on communication.
     """
 
     lo: int
@@ -64,6 +68,18 @@ class OptionEffect:
     offload_bytes: int
     transfer: Transfer | None = None
     store_s: float = 0.0
+    hidden_s: float = 0.0
+
+    @property
+    def added_s(self) -> float:
+        """Seconds the option adds to the step, its store aside."""
+        return self.cost_s - self.hidden_s
+
+    @property
+    def priced_s(self) -> float:
+        """What the planners minimise: the added seconds, and a hidden second at HIDDEN_PRICE (of
+        plans that add the same time, the one that recomputes less)."""
+        return self.added_s + HIDDEN_PRICE * self.hidden_s
 
 
 def option_effect(
