@@ -278,6 +278,8 @@ def verify_layout(
     plan, FSDP2 with --zero 3) and compare each rank's measured peak with its prediction."""
     if config.gpu != "cpu":
         raise ValueError(f"verify runs on this machine's CPU; use --gpu cpu (got {config.gpu})")
+    if config.pp > 1:
+        return _verify_pipeline(spec, config, plan, timeout_s)
     loaded = plan_for_config(plan, config.seq_len)
     layout = simulate_layout(spec, config, loaded)
     by_rank = {r: role.peak_bytes for role in layout.roles for r in role.ranks}
@@ -287,6 +289,20 @@ def verify_layout(
     measured = measure_on_gloo_ranks(spec, config, loaded.to_dict() if loaded is not None else None, timeout_s)
     errors = [(p - m) / m for p, m in zip(predicted, measured)]
     return LayoutVerifyResult(spec, predicted, measured, errors, config.to_dict(), str(plan) if plan else None)
+
+
+def _verify_pipeline(spec: str, config: TrainConfig, plan: str | None, timeout_s: float) -> LayoutVerifyResult:
+    """Every pp rank of a pipeline (alone: no other parallel dimension), its stages cut by torch's
+    pipeline tracer where the simulation cuts them (planner/runtime/pipeline_verify.py)."""
+    from planner.runtime.pipeline_verify import measure_pipeline_on_gloo_ranks  # torch.distributed's stack
+
+    timeline = simulate_pipeline_model(spec, config, plan)  # checks the plan
+    by_rank = {r: role.peak_bytes for role in timeline.layout.roles for r in role.ranks}
+    predicted = [by_rank[r] for r in range(config.pp)]
+    stage_plans = load_plan(plan).to_dict() if plan is not None else None
+    measured = measure_pipeline_on_gloo_ranks(spec, config, timeline.blocks_per_stage, stage_plans, timeout_s)
+    errors = [(p - m) / m for p, m in zip(predicted, measured)]
+    return LayoutVerifyResult(spec, predicted, measured, errors, config.to_dict(), plan)
 
 
 def plan_model(

@@ -174,11 +174,38 @@ def test_simulate_cli_pipeline_errors(capsys, extra, needle):
     assert_user_error(code, err, "simulate", needle)
 
 
-@pytest.mark.parametrize("command", ["verify"])  # plan --pp: test_pipeline_plans.py; fit --pp: test_layouts.py
-def test_commands_without_pipelines_refuse_pp(capsys, command):
-    argv = [command, "--model", "llama-70b-tiny", "--seq-len", "32", "--batch-size", "4", "--pp", "2"]
-    code, _, err = run(argv, capsys)
-    assert_user_error(code, err, command, "--pp")
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--precision", "bf16-mixed"], "fp32 or bf16"),
+        (["--pp-schedule", "interleaved-1f1b", "--stages-per-rank", "2"], "one stage per rank"),
+        (["--dp", "2"], "runs the pipeline alone"),
+    ],
+)
+def test_verify_pipeline_refusals_are_one_line(capsys, extra, needle):
+    argv = ["verify", "--model", "llama-70b-tiny", "--seq-len", "32", "--batch-size", "4", "--pp", "2"]
+    code, _, err = run([*argv, *extra], capsys)
+    assert_user_error(code, err, "verify", needle)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama-7b-tiny", "tests/pp_ranks.py:hf_llama"])
+def test_verify_pipeline_cli_measures_every_pp_rank(tmp_path, capsys, model):
+    """`memplan verify --pp 2` cuts any model with torch's pipeline tracer where the simulation cuts it
+    and measures each pp rank on gloo: within 5% of the prediction (the traced stages send what
+    crosses a cut, e.g. rotary tables, where torchtitan's stages recompute it), under a stage plan too."""
+    base = ["--model", model, "--seq-len", "64", "--batch-size", "4", "--pp", "2", "--pp-schedule", "1f1b"]
+    plan = tmp_path / "plan.json"
+    code, _, err = run(["plan", *base, "--budget", "95%", "--out", str(plan)], capsys)
+    assert code == 0, err
+    for extra in ([], ["--plan", str(plan)]):
+        out = tmp_path / "verify.json"
+        code, _, err = run(["verify", *base, *extra, "--json", str(out)], capsys)
+        assert code == 0, err
+        (result,) = json.loads(out.read_text())["results"]
+        assert len(result["measured_bytes"]) == 2
+        assert all(abs(e) < 0.05 for e in result["errors"]), result
 
 
 def test_simulate_sweep_simulates_the_pipeline(tmp_path, capsys):

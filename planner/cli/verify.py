@@ -12,7 +12,8 @@ __all__ = ["register", "run"]
 EXAMPLE = (
     "memplan verify --model llama-7b-tiny --batch-size 2 --seq-len 64\n"
     "  memplan verify --model gpt2-tiny --seq-len 64 --plan plan.json\n"
-    "  memplan verify --model llama-7b-tiny --batch-size 2 --seq-len 128 --tp 2 --dp 2 --zero 3"
+    "  memplan verify --model llama-7b-tiny --batch-size 2 --seq-len 128 --tp 2 --dp 2 --zero 3\n"
+    "  memplan verify --model llama-7b-tiny --batch-size 4 --seq-len 64 --pp 2 --pp-schedule 1f1b"
 )
 
 
@@ -25,7 +26,7 @@ def register(add) -> None:
 def run(args) -> None:
     if args.gpu != "cpu":
         raise ValueError(f"verify runs the real model on this machine's CPU; drop --gpu {args.gpu}")
-    if args.tp > 1 or args.cp > 1 or args.ep > 1:
+    if args.tp > 1 or args.cp > 1 or args.ep > 1 or args.pp > 1:
         _run_layout(args)
         return
     with guarded_imports():

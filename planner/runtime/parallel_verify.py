@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from costmodels.memory import get_precision
 from memplan_compat import is_traceable_wrapper_subclass
 from planner.config import TrainConfig
+from planner.errors import MemplanError
 from planner.plans.format import load_plan
 from planner.runtime.apply import apply_plan
 from planner.runtime.routing import assumed_routing
@@ -133,23 +134,43 @@ def _measure_worker(rank: int, world_size: int, init_file: str, payload: tuple, 
         dist.destroy_process_group()
 
 
+_FAILED = "rank failed"  # the first item of what a rank puts on the queue when it raised
+
+
+def _guarded(worker, rank: int, world_size: int, init_file: str, payload, queue) -> None:
+    """Run one rank; an exception goes to the parent as one line (the first rank's is reported)."""
+    try:
+        worker(rank, world_size, init_file, payload, queue)
+    except Exception as exc:
+        while exc.__cause__ is not None:  # torch's wrappers ("[Stage 1] failed to run forward") chain the cause
+            exc = exc.__cause__
+        queue.put((_FAILED, rank, f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"))
+
+
 def run_on_gloo_ranks(worker, world_size: int, payload, timeout_s: float = 600.0) -> list:
     """Start `world_size` CPU processes (spawn) running ``worker(rank, world_size, init_file,
     payload, queue)`` under a gloo group; every item they put on the queue, in arrival order.
-    A rank that fails, or no item within `timeout_s`, is a RuntimeError; no process is left running."""
+    A rank that raises is a MemplanError with its message; one that dies, or no item within
+    `timeout_s`, is a RuntimeError; no process is left running."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as workdir:
         init_file = os.path.join(workdir, "gloo-init")
-        procs = [ctx.Process(target=worker, args=(r, world_size, init_file, payload, queue)) for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_guarded, args=(worker, r, world_size, init_file, payload, queue))
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         items, waited_s = [], 0.0
         try:
             while any(p.is_alive() for p in procs) or not queue.empty():
                 try:
-                    items.append(queue.get(timeout=1))
+                    item = queue.get(timeout=1)
                     waited_s = 0.0
+                    if item[0] == _FAILED:
+                        raise MemplanError(f"gloo rank {item[1]} failed: {item[2]}")
+                    items.append(item)
                 except queue_module.Empty:
                     waited_s += 1
                     failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]

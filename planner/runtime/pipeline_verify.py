@@ -1,0 +1,215 @@
+"""Run a real model as the pipeline memplan simulates, and measure each pp rank's step.
+
+Any model: torch.distributed.pipelining's tracer (``pipeline()``, torch.export) cuts the step at
+the first block of every stage, as planner/simulation/pipeline_split.py cuts the trace — stage 0
+also runs what comes before the first block, the last stage what comes after the last one and the
+loss — and every value that crosses a cut is sent to the stage that reads it. The traced step
+takes the step's inputs on stage 0 (each passed through a view there, so labels reach the loss
+through the stages) and returns the loss (:func:`planner.tracing.recorder.loss_of`). Each rank
+builds its stages, runs ``--microbatches`` microbatches under torch's schedule class for
+``--pp-schedule``, a warm-up step and measured steps with the optimizer step, and reports the lowest
+peak of live tensor bytes (parameters, optimizer states, the inputs it holds and the stages' receive
+buffers counted from the start).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from costmodels.memory import get_precision
+from planner.config import PP_SCHEDULES, TrainConfig
+from planner.errors import MemplanError
+from planner.plans.format import load_plan
+from planner.runtime.apply import apply_plan
+from planner.runtime.parallel_verify import run_on_gloo_ranks
+from planner.runtime.tracker import LiveBytesTracker
+from planner.runtime.verify import make_optimizer
+from planner.simulation.pipeline_schedule import stages_of_rank
+from planner.tracing.blocks import find_region_paths
+from planner.tracing.hf import disable_kv_cache
+from planner.tracing.recorder import loss_of
+from planner.tracing.specs import resolve_spec
+
+__all__ = ["MEASURED_STEPS", "measure_pipeline_on_gloo_ranks"]
+
+MEASURED_STEPS = 2  # after one warm-up step; the lowest peak is reported
+
+
+class _Step(nn.Module):
+    """The model's step as one module: the inputs enter on the first stage, the loss leaves the last."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        args = [a.view(a.shape) if isinstance(a, torch.Tensor) else a for a in args]
+        kwargs = {k: v.view(v.shape) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        return loss_of(self.model(*args, **kwargs))
+
+
+def _split_inputs(inputs) -> tuple[tuple, dict]:
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), {}
+
+
+def _microbatch(values, size: int):
+    return [v[:size] if isinstance(v, torch.Tensor) else v for v in values]
+
+
+def _recv_buffers(stage) -> list[torch.Tensor]:
+    infos = [i for per_mb in stage.args_recv_info.values() for i in per_mb]
+    infos += [i for per_mb in stage.grad_recv_info.values() for i in per_mb]
+    return [b for i in infos if isinstance(b := getattr(i, "buffer", None), torch.Tensor)]
+
+
+def _stage_modules(spec: str, config: TrainConfig, blocks_per_stage: tuple[int, ...], stage_ids, seed: int):
+    """(this rank's stage modules from torch's pipeline tracer, the step's args and kwargs)."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    torch.manual_seed(seed)
+    model, inputs = resolve_spec(spec).build(batch_size=config.batch_size, seq_len=config.seq_len)
+    model.to(get_precision(config.precision).param_dtype)
+    disable_kv_cache(model)
+    model.train()
+    blocks = find_region_paths(model, config.blocks)
+    if len(blocks) != sum(blocks_per_stage):
+        raise MemplanError(
+            f"the real model has {len(blocks)} blocks but the simulated split {list(blocks_per_stage)} has "
+            f"{sum(blocks_per_stage)}; give --blocks or an explicit --pp-split"
+        )
+    firsts = [sum(blocks_per_stage[:k]) for k in range(1, len(blocks_per_stage))]
+    split_spec = {f"model.{blocks[i]}": SplitPoint.BEGINNING for i in firsts}
+    args, kwargs = _split_inputs(inputs)
+    micro = config.batch_size // config.num_microbatches
+    mb_kwargs = dict(zip(kwargs, _microbatch(kwargs.values(), micro)))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own pytree deprecations
+            pipe = pipeline(
+                _Step(model), mb_args=tuple(_microbatch(args, micro)), mb_kwargs=mb_kwargs, split_spec=split_spec
+            )
+    except Exception as exc:  # torch.export's many failure types
+        reason = " ".join(str(exc).split())[:200]
+        raise MemplanError(
+            f"torch.distributed.pipelining could not trace {spec} into stages ({type(exc).__name__}: {reason}); "
+            "verify its stages with your own stage modules"
+        ) from None
+    _detach_constants(pipe, args, mb_kwargs, micro)
+    return pipe, args, kwargs
+
+
+def _detach_constants(pipe, args: tuple, mb_kwargs: dict, micro: int) -> None:
+    """Detach, where a stage reads it, every value crossing a cut that needs no gradient in the eager
+    step (rotary tables, masks). The traced frontend marks every floating value it receives as
+    requiring grad, so a stage would otherwise save what gradients for them need and send them back."""
+    import torch.fx
+
+    needs_grad: dict[str, list[bool]] = {}
+
+    class _Recorder(torch.fx.Interpreter):
+        def call_module(self, target, call_args, call_kwargs):
+            needs_grad[target] = [
+                not isinstance(v, torch.Tensor) or v.requires_grad or not v.is_floating_point() for v in call_args
+            ]
+            return super().call_module(target, call_args, call_kwargs)
+
+    _Recorder(pipe.split_gm).run(*_microbatch(args, micro), *mb_kwargs.values())
+    for name, flags in needs_grad.items():
+        submod = pipe.split_gm.get_submodule(name)
+        placeholders = [n for n in submod.graph.nodes if n.op == "placeholder"]
+        for node, keep in zip(placeholders, flags):
+            if keep:
+                continue
+            with submod.graph.inserting_after(placeholders[-1]):
+                detached = submod.graph.call_method("detach", (node,))
+            node.replace_all_uses_with(detached, delete_user_cb=lambda user, d=detached: user is not d)
+        submod.recompile()
+
+
+def _measure_worker(rank: int, world_size: int, init_file: str, payload: tuple, queue) -> None:
+    """One pp rank: build its stages, run the schedule, report its lowest peak."""
+    from torch.distributed.pipelining import schedules
+
+    spec, config, blocks_per_stage, plan, seed = payload
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        stage_ids = stages_of_rank(rank, config.pp, config.num_stages_per_rank, config.pp_schedule)
+        pipe, args, kwargs = _stage_modules(spec, config, blocks_per_stage, stage_ids, seed)
+        stages = [pipe.build_stage(s, torch.device("cpu")) for s in stage_ids]
+        if plan is not None:
+            loaded = load_plan(plan)
+            for stage, s in zip(stages, stage_ids):
+                apply_plan(stage.submod.get_submodule("model"), loaded, stage=s)
+        cls = getattr(schedules, PP_SCHEDULES[config.pp_schedule])
+        single = issubclass(cls, schedules.PipelineScheduleSingle)
+        schedule = cls(stages[0] if single else stages, config.num_microbatches, loss_fn=lambda loss, _: loss)
+        num_stages = config.pp * config.num_stages_per_rank
+        step_args, step_kwargs = (args, kwargs) if 0 in stage_ids else ((), {})
+        if num_stages - 1 in stage_ids:
+            step_kwargs = {**step_kwargs, "target": torch.zeros(config.batch_size)}
+        params = [p for s in stages for p in s.submod.parameters()]
+        optimizer = make_optimizer(params, config.optimizer)
+        held = [*step_args, *step_kwargs.values()]
+        peaks = []
+        for step in range(MEASURED_STEPS + 1):
+            for s in stages:
+                s.clear_runtime_states()
+            tracker = LiveBytesTracker()
+            tracker.track_all(
+                [
+                    params,
+                    [b for s in stages for b in s.submod.buffers()],
+                    held,
+                    optimizer.state_dict()["state"] if optimizer is not None else [],
+                    [b for s in stages for b in _recv_buffers(s)],
+                ]
+            )
+            with tracker:
+                for _ in range(config.grad_accum_steps):
+                    schedule.step(*step_args, return_outputs=False, **step_kwargs)
+                if optimizer is not None:
+                    optimizer.step()
+                tracker.sample()
+            for p in params:
+                p.grad = None
+            if step:
+                peaks.append(tracker.peak_bytes)
+        queue.put((rank, min(peaks)))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_pipeline_on_gloo_ranks(
+    spec: str,
+    config: TrainConfig,
+    blocks_per_stage: tuple[int, ...],
+    plan: dict | None = None,
+    timeout_s: float = 600.0,
+    seed: int = 0,
+) -> list[int]:
+    """Peak live bytes of every pp rank over a steady-state pipeline step, each a CPU process under gloo."""
+    if get_precision(config.precision).autocast_dtype is not None:
+        raise MemplanError(
+            f"verify --pp runs fp32 or bf16 steps (torch's pipeline tracer fixes each op's dtype, which "
+            f"autocast would change); use --precision fp32 or bf16 instead of {config.precision}"
+        )
+    if config.num_stages_per_rank > 1:
+        raise MemplanError(
+            f"verify --pp runs schedules with one stage per rank (gpipe, 1f1b), not {config.pp_schedule} with "
+            f"{config.num_stages_per_rank} stages per rank: torch's pipeline tracer sends values that skip stages "
+            "(labels, rotary tables), which its multi-stage schedules cannot"
+        )
+    if config.world_size != config.pp:
+        raise MemplanError(
+            "verify --pp runs the pipeline alone; drop --dp, --tp, --cp and --ep (verify those without --pp)"
+        )
+    payload = (spec, config, tuple(blocks_per_stage), plan, seed)
+    peaks = dict(run_on_gloo_ranks(_measure_worker, config.pp, payload, timeout_s))
+    return [peaks[r] for r in range(config.pp)]
