@@ -192,9 +192,11 @@ def plan_pipeline_model(
     graph = _pipeline_graph(spec, config)
     if isinstance(budget_bytes, str):
         budget_bytes = parse_budget(budget_bytes, simulate_pipeline(graph, config).peak_bytes)
-    from planner.solver.pipeline_plans import evaluate_pipeline, solve_pipeline, stage_plans, uniform_choices
+    from planner.solver.pipeline_plans import evaluate_pipeline, solve_pipeline_split, stage_plans, uniform_choices
 
-    result = solve_pipeline(graph, config, budget_bytes, keep=keep, recompute=recompute, time_limit_s=time_limit_s)
+    result, config = solve_pipeline_split(
+        graph, config, budget_bytes, keep=keep, recompute=recompute, time_limit_s=time_limit_s
+    )
     plans = stage_plans(graph, config, result)
     uniform = evaluate_pipeline(graph, config, uniform_choices(graph, config, result), result.cuts)
     return result, plans, uniform

@@ -21,6 +21,7 @@ from planner.solver.pipeline_plans import (
     choices_of,
     evaluate_pipeline,
     solve_pipeline,
+    solve_pipeline_split,
     stage_plans,
     uniform_choices,
 )
@@ -60,6 +61,25 @@ def test_first_stage_recomputes_more_and_every_rank_fits(graph, no_plan, fractio
     uniform = evaluate_pipeline(graph, _config(), uniform_choices(graph, _config(), plan), plan.cuts)
     assert all(p <= budget for p in uniform.peaks)
     assert uniform.step_s >= plan.step_s_with - 1e-12
+
+
+@pytest.mark.parametrize("fraction", [0.9, 0.8])
+def test_auto_split_plans_the_fastest_split_that_fits(graph, no_plan, fraction):
+    """--pp-split auto under a budget plans splits along auto's path and keeps the fastest that fits:
+    never slower than the uniform split's plan, every rank within the budget."""
+    from planner.simulation.pipeline import auto_split_path
+
+    budget = int(max(no_plan) * fraction)
+    plan, chosen = solve_pipeline_split(graph, _config(pp_split="auto"), budget)
+    assert chosen.pp_split != "auto" and tuple(map(int, chosen.pp_split.split(","))) in auto_split_path(
+        graph, _config()
+    )
+    assert all(r.peak_with <= budget for r in plan.ranks)
+    try:
+        uniform = solve_pipeline(graph, _config(), budget)
+    except InfeasibleBudget:
+        return
+    assert plan.step_s_with <= uniform.step_s_with
 
 
 def test_simulate_pipeline_under_choices(graph, no_plan):

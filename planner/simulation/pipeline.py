@@ -23,7 +23,7 @@ from planner.simulation.pipeline_time import PipelineTime, pipeline_time, stage_
 from planner.simulation.ranks import LayoutTimeline, RankRole, group_roles
 from planner.tracing.graph import OpGraph
 
-__all__ = ["PipelineTimeline", "simulate_pipeline", "max_in_flight"]
+__all__ = ["PipelineTimeline", "auto_split_path", "max_in_flight", "simulate_pipeline"]
 
 
 @dataclass(frozen=True)
@@ -98,10 +98,13 @@ def _evaluate(
     return cuts, timing, replays
 
 
-def _auto_split(graph: OpGraph, config: TrainConfig, schedule: PipelineSchedule) -> tuple[int, ...]:
-    """Move blocks one at a time off the worst rank's stages to another stage while the worst peak
-    falls (ties: the shorter step), from the uniform split."""
+def auto_split_path(graph: OpGraph, config: TrainConfig) -> list[tuple[int, ...]]:
+    """The splits `--pp-split auto` goes through without a plan, from the uniform one: each moves a
+    block off the worst rank's stages while the worst peak falls (ties: the shorter step); the last
+    is the split ``auto`` simulates."""
+    schedule = pipeline_schedule(config)
     counts = blocks_per_stage(len(graph.regions), schedule.num_stages)
+    path = [counts]
 
     def score(c: tuple[int, ...]) -> tuple[tuple[int, float], int]:
         """((worst peak, step time), worst pp rank) of a split."""
@@ -121,9 +124,10 @@ def _auto_split(graph: OpGraph, config: TrainConfig, schedule: PipelineSchedule)
                     moves.append(tuple(c))
         scored = [(*score(c), c) for c in moves]
         if not scored or min(scored)[0] >= best:
-            return counts
+            return path
         best, worst_rank, counts = min(scored)
-    return counts
+        path.append(counts)
+    return path
 
 
 def _check(graph: OpGraph, config: TrainConfig) -> None:
@@ -153,7 +157,7 @@ def simulate_pipeline(graph: OpGraph, config: TrainConfig, choices: Sequence[Spa
             "simulate it without --plan"
         )
     if config.pp_split.strip() == "auto":
-        counts = _auto_split(graph, config, schedule)
+        counts = auto_split_path(graph, config)[-1]
     else:
         counts = blocks_per_stage(len(graph.regions), schedule.num_stages, config.pp_split)
     cuts, timing, replays = _evaluate(graph, config, schedule, counts, choices)

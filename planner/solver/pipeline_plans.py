@@ -33,7 +33,7 @@ from planner.plans.format import Plan, Predicted, SolverInfo, StagePlan, StagePl
 from planner.signals import interruptible
 from planner.simulation.costs import op_times
 from planner.simulation.effects import SpanChoice, choices_from_decisions, op_keys
-from planner.simulation.pipeline import simulate_pipeline
+from planner.simulation.pipeline import auto_split_path, simulate_pipeline
 from planner.simulation.pipeline_schedule import PipelineSchedule, pipeline_schedule
 from planner.simulation.pipeline_split import StageCut, cut_stages
 from planner.simulation.pipeline_step import (
@@ -51,9 +51,19 @@ from planner.solver.planning import decisions_for, graph_model_info
 from planner.tracing.graph import OpGraph
 from planner.units import format_bytes
 
-__all__ = ["RankPlan", "PipelinePlan", "solve_pipeline", "uniform_choices", "evaluate_pipeline", "stage_plans"]
+__all__ = [
+    "AUTO_SPLITS_TRIED",
+    "PipelinePlan",
+    "RankPlan",
+    "evaluate_pipeline",
+    "solve_pipeline",
+    "solve_pipeline_split",
+    "stage_plans",
+    "uniform_choices",
+]
 
 SPLIT_BACKWARD = ("I", "W")
+AUTO_SPLITS_TRIED = 6  # splits of --pp-split auto planned and compared (spread over its path)
 
 
 @dataclass(frozen=True)
@@ -306,6 +316,48 @@ def solve_pipeline(
                 f"{rp.rank}'s peak under a budget of {budget_bytes} B"
             )
     return dataclasses.replace(plan, step_s_with=check.step_s)
+
+
+def solve_pipeline_split(
+    graph: OpGraph,
+    config: TrainConfig,
+    budget_bytes: int,
+    *,
+    keep: Sequence[str] = (),
+    recompute: Sequence[str] = (),
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+) -> tuple[PipelinePlan, TrainConfig]:
+    """Under ``--pp-split auto``, the split and per-stage plans with the shortest step under the budget:
+    up to AUTO_SPLITS_TRIED splits along the path `auto` takes without a plan (from the uniform split,
+    blocks moved off the worst rank: fewer blocks where memory binds) are each planned, and the
+    fastest that fits wins. (plan, config with that split); another --pp-split is solved as given."""
+    if config.pp_split.strip() != "auto":
+        return solve_pipeline(
+            graph, config, budget_bytes, keep=keep, recompute=recompute, time_limit_s=time_limit_s
+        ), config
+    path = auto_split_path(graph, config)
+    picks = sorted({round(i * (len(path) - 1) / max(1, AUTO_SPLITS_TRIED - 1)) for i in range(AUTO_SPLITS_TRIED)})
+    best: tuple[PipelinePlan, TrainConfig] | None = None
+    refused: InfeasibleBudget | None = None
+    for counts in (path[i] for i in picks):
+        split = config.with_(pp_split=",".join(map(str, counts)))
+        try:
+            plan = solve_pipeline(graph, split, budget_bytes, keep=keep, recompute=recompute, time_limit_s=time_limit_s)
+        except InfeasibleBudget as exc:
+            lowest = math.inf if exc.smallest_peak_bytes is None else exc.smallest_peak_bytes
+            if refused is None or lowest < (refused.smallest_peak_bytes or math.inf):
+                refused = exc
+            continue
+        if best is None or plan.step_s_with < best[0].step_s_with:
+            best = (plan, split)
+    if best is None:
+        assert refused is not None
+        tried = ", ".join(",".join(map(str, path[i])) for i in picks)
+        raise InfeasibleBudget(
+            f"{refused} (--pp-split auto planned the splits {tried}; none fits)",
+            smallest_peak_bytes=refused.smallest_peak_bytes,
+        )
+    return best
 
 
 def _local(path: str, block: str) -> str:
