@@ -259,3 +259,21 @@ def test_seq_len_sweep_simulates_every_cp_rank(capsys):
     from planner.units import format_bytes
 
     assert format_bytes(swept) in stdout.splitlines()[3]  # the row of --seq-len S: the worst cp rank's peak
+
+
+def test_ring_exchanges_are_priced_on_the_cp_link_and_hidden_by_the_local_attention():
+    """Each traced collective is priced over the group it ran on (cp ranks are tp apart in the
+    [dp, cp, tp] mesh), and costs only what the compute before its output's first use leaves
+    exposed: the ring's K/V exchange overlaps attention to the local chunk."""
+    from costmodels.hardware import get_device
+    from planner.simulation.costs import collective_s, op_times
+
+    config = TrainConfig(batch_size=1, seq_len=2048, cp=2, tp=2, gpu="h100-80gb", precision="bf16-mixed")
+    graph = trace_tp_rank("llama-7b-tiny", config, rank=0)[0]
+    assert sorted(graph.meta["groups"].values()) == [(2, 1), (2, 2)]  # tp: adjacent ranks; cp: 2 apart
+    device = get_device(config.gpu)
+    times = op_times(graph, device)
+    cp_group = next(name for name, (_, stride) in graph.meta["groups"].items() if stride == 2)
+    ring = [o for o in graph.ops if o.name.startswith("_c10d") and f"group_name={cp_group}" in o.variant]
+    assert ring and all(0 <= times[o.index] <= collective_s(o, graph, device) for o in ring)
+    assert sum(times[o.index] for o in ring) < 0.5 * sum(collective_s(o, graph, device) for o in ring)

@@ -56,23 +56,53 @@ class StepCosts:
 
 
 _ALL_TO_ALL = str(torch.ops._c10d_functional.all_to_all_single.default)
+_WAIT = str(torch.ops._c10d_functional.wait_tensor.default)
 
 
 def collective_s(op: OpNode, graph: OpGraph, device: DeviceSpec) -> float:
-    """Seconds of a functional collective over the trace's tensor-parallel group (in one node), or,
-    for an expert-parallel trace's all-to-all (token dispatch and combine), over its EP group."""
+    """Seconds of a functional collective on the link of the group it ran over (the trace records
+    each group's ranks and their stride: graph.meta["groups"], by the op's group_name); a trace
+    without that record runs its collectives over the tensor-parallel group, or, for an
+    expert-parallel trace's all-to-all, over its EP group."""
     side, passes = COLLECTIVE_OPS[op.name]
     tensors = op.outputs if side == "output" else op.inputs
     nbytes = sum(graph.tensors[t].nbytes for t in tensors[:1])
+    group_name = dict(p.split("=", 1) for p in op.variant.split(",") if "=" in p).get("group_name")
+    recorded = graph.meta.get("groups", {}).get(group_name)
+    if recorded is not None:
+        ranks, stride = recorded
+        return passes * collective_time_s(nbytes, int(ranks), device, int(stride))
     ep = int(graph.meta.get("ep", 1))
     group = ep if op.name == _ALL_TO_ALL and ep > 1 else int(graph.meta.get("tp", 1))
     return passes * collective_time_s(nbytes, group, device)
 
 
+def _exposed_collectives(graph: OpGraph, times: np.ndarray) -> None:
+    """A functional collective runs on its own stream until its output is first used (its
+    AsyncCollectiveTensor waits there; a trace records the wait at once): the compute issued in
+    between hides it (ring attention issues the K/V exchange before attending to the local chunk);
+    DTensor's collectives, used by the next op, hide nothing. Each collective's time becomes what
+    that compute does not cover."""
+    collectives = {op.outputs[0]: op.index for op in graph.ops if op.name in COLLECTIVE_OPS and op.outputs}
+    first_use: dict[int, int] = {}
+    for op in graph.ops:
+        if op.name == _WAIT or not (op.allocs or op.mutates or op.flops):
+            continue  # the trace's wait, and views of the output, do not wait for it
+        for t in op.inputs:
+            if t in collectives and op.index > collectives[t]:
+                first_use.setdefault(t, op.index)
+    for t, issued in collectives.items():
+        used = first_use.get(t, issued + 1)
+        window = [o for o in graph.ops[issued + 1 : used] if o.name not in COLLECTIVE_OPS and o.name != _WAIT]
+        hidden = float(sum(times[o.index] for o in window))
+        times[issued] = max(0.0, float(times[issued]) - hidden)
+
+
 def op_times(graph: OpGraph, device: DeviceSpec) -> np.ndarray:
     """Roofline seconds of each op on the target device (views and no-ops cost nothing; an op that
     writes in place costs its bytes; a collective costs its ring passes on the link, see
-    :func:`collective_s`). Computed once per graph and device (read-only)."""
+    :func:`collective_s`, less the compute issued before its wait). Computed once per graph and
+    device (read-only)."""
     key = ("op_times", device)
     if key not in graph.derived:
         out = _op_times(graph, device)
@@ -100,6 +130,7 @@ def _op_times(graph: OpGraph, device: DeviceSpec) -> np.ndarray:
             elements=max((math.prod(graph.tensors[t].shape) for t in written), default=0),
             variant=op.variant,
         )
+    _exposed_collectives(graph, out)
     return out
 
 

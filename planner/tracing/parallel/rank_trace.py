@@ -19,6 +19,7 @@ are one role.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -90,6 +91,20 @@ def ep_mesh(config: TrainConfig) -> DeviceMesh:
     """The ``[edp, ep, tp]`` CPU mesh expert parallel shards experts over (EP innermost in dp × cp)."""
     edp = config.dp * config.cp // config.ep
     return init_device_mesh("cpu", (edp, config.ep, config.tp), mesh_dim_names=("edp", "ep", "tp"))
+
+
+def mesh_groups(*meshes: DeviceMesh | None) -> dict[str, tuple[int, int]]:
+    """Process-group name -> (ranks, stride between consecutive members in global ranks) of every
+    mesh dimension with more than one rank: what a traced collective's ``group_name`` runs over."""
+    groups: dict[str, tuple[int, int]] = {}
+    for mesh in meshes:
+        if mesh is None:
+            continue
+        shape = tuple(mesh.shape)
+        for k, dim in enumerate(mesh.mesh_dim_names or ()):
+            if shape[k] > 1:
+                groups[mesh[dim].get_group().group_name] = (shape[k], math.prod(shape[k + 1 :]))
+    return groups
 
 
 def ep_role_keys(routing: RoutingAssumption, ep: int) -> list[tuple]:
@@ -192,6 +207,7 @@ def trace_tp_rank(
                     lifetimes=lifetimes,
                     blocks=config.blocks,
                 )
+            graph.meta["groups"] = mesh_groups(mesh, sparse)
             if sparse is not None:
                 keys = ep_role_keys(routing, config.ep)
                 routing.routers = sum(op.name == "aten.topk.default" for op in graph.ops[: graph.backward_start])
