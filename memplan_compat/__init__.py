@@ -29,6 +29,7 @@ PRIVATE_APIS: dict[str, tuple[str, str | None]] = {
     "FakeTensor": ("torch._subclasses", "FakeTensor"),
     "FakeTensorMode": ("torch._subclasses", "FakeTensorMode"),
     "is_fake": ("torch._subclasses.fake_tensor", "is_fake"),
+    "fake_tensor_log": ("torch._subclasses.fake_tensor", "log"),  # logs every failing meta kernel's stack
     "detect_fake_mode": ("torch._guards", "detect_fake_mode"),
     "OpOverload": ("torch._ops", "OpOverload"),
     "TorchDispatchMode": ("torch.utils._python_dispatch", "TorchDispatchMode"),

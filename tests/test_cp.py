@@ -183,7 +183,6 @@ def test_cli_json_lists_every_cp_rank_and_names_the_worst(capsys, tmp_path):
             ],
             ("--compile",),
         ),
-        (["fit", "--model", "llama-7b-tiny", "--seq-len", "64", "--cp", "2"], ("simulate --cp 2",)),
     ],
 )
 def test_cp_errors_are_one_line(capsys, argv, needles):
@@ -277,3 +276,21 @@ def test_ring_exchanges_are_priced_on_the_cp_link_and_hidden_by_the_local_attent
     ring = [o for o in graph.ops if o.name.startswith("_c10d") and f"group_name={cp_group}" in o.variant]
     assert ring and all(0 <= times[o.index] <= collective_s(o, graph, device) for o in ring)
     assert sum(times[o.index] for o in ring) < 0.5 * sum(collective_s(o, graph, device) for o in ring)
+
+
+def test_fit_searches_context_parallel_layouts(capsys, tmp_path):
+    """`fit --cp 2` searches layouts with context parallel 2: FSDP2 over dp × cp, the recipe and the
+    flags say cp, and the flags simulate to the layout's peak."""
+    out = tmp_path / "fit.json"
+    argv = ["fit", "--model", "llama-7b-tiny", "--gpu", "h100-80gb", "--precision", "bf16-mixed", "--seq-len", "256"]
+    code, _, err = run([*argv, "--cp", "2", "--max-gpus", "4", "--json", str(out)], capsys)
+    assert code == 0, err
+    result = json.loads(out.read_text())
+    best = result["recommended"]
+    assert best["cp"] == 2 and all(x["cp"] == 2 for x in result["layouts"])
+    assert "--cp 2" in best["flags"] and "context_parallel_degree = 2" in result["recipe"]["torchtitan_toml"]
+    sim = tmp_path / "sim.json"
+    flags = best["flags"].split()
+    code, _, err = run(["simulate", *argv[1:], *flags, "--json", str(sim)], capsys)
+    assert code == 0, err
+    assert json.loads(sim.read_text())["peak_bytes"] == best["peak_bytes"]

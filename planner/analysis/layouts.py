@@ -58,6 +58,7 @@ HOST_MEMORY_BYTES_PER_GPU = 256 * 2**30  # a DGX H100/H200's 2 TiB of host memor
 TENSOR_PARALLEL = (1, 2, 4, 8, 16)  # degrees tried, up to the GPUs of one node
 SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2))  # (schedule, stages per rank) tried for pp > 1
 RECOMPUTE = ("none", "selective", "full")  # tried in this order; the first that fits is kept
+CONTEXT_PARALLEL_FROM_SEQ_LEN = 32768  # context parallel is tried from this sequence length (or pinned)
 GROWTH = 2  # doublings of the GPU count searched past the first that fits
 
 
@@ -96,6 +97,7 @@ class Layout:
     @property
     def label(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"] + ([f"ep{self.ep}"] if self.ep > 1 else [])
+        parts += [f"cp{self.cp}"] if self.cp > 1 else []
         if self.pp > 1:
             parts.append(f"{self.schedule} x{self.microbatches}")
         if self.accumulation > 1:
@@ -107,13 +109,15 @@ class Layout:
         out = [f"--batch-size {self.micro_batch_size * (self.microbatches if self.pp > 1 else 1)}"]
         if self.tp > 1:
             out.append(f"--tp {self.tp}")
+        if self.cp > 1:
+            out.append(f"--cp {self.cp}")
         if self.pp > 1:
             out += [f"--pp {self.pp}", f"--pp-schedule {self.schedule}", f"--microbatches {self.microbatches}"]
             if self.stages_per_rank > 1:
                 out.append(f"--stages-per-rank {self.stages_per_rank}")
         if self.accumulation > 1:
             out.append(f"--grad-accum {self.accumulation}")
-        if self.dp > 1 or self.offload:
+        if self.dp * self.cp > 1 or self.offload:
             out.append(f"--dp {self.dp} --zero 3")
             if self.ep > 1:
                 out.append(f"--ep {self.ep}")
@@ -182,52 +186,67 @@ class _Search:
 
     def __init__(self, spec: str, config: TrainConfig, budget: int, device: DeviceSpec, global_batch: int) -> None:
         self.spec, self.base, self.budget, self.device, self.global_batch = spec, config, budget, device, global_batch
-        self.graphs: dict[tuple[int, int], OpGraph] = {}  # (tp, ep) -> the traced (worst) rank's graph
+        self.graphs: dict[tuple[int, int, int], OpGraph] = {}  # (tp, ep, cp) -> the traced (worst) rank's graph
         self.skipped: dict[int, str] = {}
         self.skipped_ep: dict[int, str] = {}
+        self.skipped_cp: dict[tuple[int, int], str] = {}
         dtype = get_precision(config.precision).autocast_dtype or get_precision(config.precision).param_dtype
         self.peak_flops = peak_flops_per_s(dtype, device)
         self.flops_per_sequence = 0.0
         self.lightest_states: tuple[int, str] | None = None  # the lightest pruned layout's states per GPU
         self.allow_offload, self.allow_8bit = True, True
-        self.choices: dict[tuple[int, str], tuple] = {}  # (tp, recompute level) -> its span choices
+        self.choices: dict[tuple, tuple] = {}  # (tp, ep, cp, recompute level) -> its span choices
 
-    def pruned(self, graph: OpGraph, gpus: int, tp: int, pp: int, dp: int, optimizer: str) -> bool:
+    def pruned(self, graph: OpGraph, gpus: int, tp: int, pp: int, dp: int, optimizer: str, cp: int = 1) -> bool:
         """Whether the model states alone of this layout exceed the budget (recorded for what binds)."""
-        states = self.states_lower_bound(graph, pp, dp, optimizer)
+        states = self.states_lower_bound(graph, pp, dp * cp, optimizer)  # FSDP2 shards over dp × cp
         if states <= self.budget:
             return False
-        label = f"{gpus} GPUs as tp{tp} pp{pp} dp{dp}, {optimizer}"
+        label = f"{gpus} GPUs as tp{tp} pp{pp} dp{dp}" + (f" cp{cp}" if cp > 1 else "") + f", {optimizer}"
         if self.lightest_states is None or states < self.lightest_states[0]:
             self.lightest_states = (states, label)
         return True
 
     def graph(self, tp: int) -> OpGraph | None:
-        if (tp, 1) in self.graphs or tp in self.skipped:
-            return self.graphs.get((tp, 1))
+        if (tp, 1, 1) in self.graphs or tp in self.skipped:
+            return self.graphs.get((tp, 1, 1))
         traced = self.base.with_(tp=tp, dp=1, zero_stage=3)
         try:
             graph = trace_tp_rank(self.spec, traced, rank=0)[0] if tp > 1 else trace_for(self.spec, traced)
         except (TraceError, MemplanError, ValueError, RuntimeError) as exc:
             self.skipped[tp] = " ".join(str(exc).split())[:200]
             return None
-        self.graphs[(tp, 1)] = graph
+        self.graphs[(tp, 1, 1)] = graph
         if tp == 1:
             self.flops_per_sequence = sum(op.flops for op in graph.ops) / self.base.batch_size
         return graph
 
     def expert_graph(self, ep: int) -> OpGraph | None:
         """The busiest expert-parallel role's graph at degree `ep` (traced once, whatever the GPU count)."""
-        if (1, ep) in self.graphs or ep in self.skipped_ep:
-            return self.graphs.get((1, ep))
+        if (1, ep, 1) in self.graphs or ep in self.skipped_ep:
+            return self.graphs.get((1, ep, 1))
         traced = self.base.with_(dp=ep, ep=ep, zero_stage=3)
         try:
             _, graphs = trace_roles(self.spec, traced)
         except (TraceError, MemplanError, ValueError, RuntimeError) as exc:
             self.skipped_ep[ep] = " ".join(str(exc).split())[:200]
             return None
-        self.graphs[(1, ep)] = max(graphs.values(), key=lambda g: simulate(g, traced).peak_bytes)
-        return self.graphs[(1, ep)]
+        self.graphs[(1, ep, 1)] = max(graphs.values(), key=lambda g: simulate(g, traced).peak_bytes)
+        return self.graphs[(1, ep, 1)]
+
+    def context_graph(self, tp: int, cp: int) -> OpGraph | None:
+        """The heaviest context-parallel rank's graph at degrees (tp, cp) (every cp index traced: each
+        runs its own ring steps), whatever the GPU count."""
+        if (tp, 1, cp) in self.graphs or (tp, cp) in self.skipped_cp:
+            return self.graphs.get((tp, 1, cp))
+        traced = self.base.with_(tp=tp, cp=cp, dp=1, zero_stage=3)
+        try:
+            _, graphs = trace_roles(self.spec, traced)
+        except (TraceError, MemplanError, ValueError, RuntimeError) as exc:
+            self.skipped_cp[(tp, cp)] = " ".join(str(exc).split())[:200]
+            return None
+        self.graphs[(tp, 1, cp)] = max(graphs.values(), key=lambda g: simulate(g, traced).peak_bytes)
+        return self.graphs[(tp, 1, cp)]
 
     def states_lower_bound(self, graph: OpGraph, pp: int, dp: int, optimizer: str) -> int:
         """Model-state bytes of the lightest rank: the traced rank's states over pp stages and dp shards."""
@@ -246,9 +265,17 @@ class _Search:
         optimizer: str,
         offload: bool,
         ep: int = 1,
+        cp: int = 1,
     ) -> TrainConfig:
         c = self.base.with_(
-            tp=tp, dp=dp, ep=ep, zero_stage=3, optimizer=optimizer, cpu_offload=offload, grad_accum_steps=accumulation
+            tp=tp,
+            dp=dp,
+            ep=ep,
+            cp=cp,
+            zero_stage=3,
+            optimizer=optimizer,
+            cpu_offload=offload,
+            grad_accum_steps=accumulation,
         )
         if pp == 1:
             return c
@@ -273,16 +300,18 @@ class _Search:
         offload: bool,
         recompute: str,
         ep: int = 1,
+        cp: int = 1,
     ) -> Layout | None:
-        """One layout simulated: FSDP2 over dp, `microbatches` per pipeline step (1 without pp), as
-        many steps as the global batch needs per optimizer step."""
-        graph = self.graphs[(tp, ep)]
-        dp = gpus // (tp * pp)
+        """One layout simulated: FSDP2 over dp (× cp), `microbatches` per pipeline step (1 without pp),
+        as many steps as the global batch needs per optimizer step."""
+        graph = self.graphs[(tp, ep, cp)]
+        dp = gpus // (tp * pp * cp)
         accumulation = self.global_batch // (dp * self.base.batch_size * microbatches)
-        config = self.config_for(tp, pp, dp, schedule, v, microbatches, accumulation, optimizer, offload, ep)
-        if (tp, ep, recompute) not in self.choices:
-            self.choices[(tp, ep, recompute)] = () if recompute == "none" else tuple(strategy_choices(graph, recompute))
-        choices = self.choices[(tp, ep, recompute)]
+        config = self.config_for(tp, pp, dp, schedule, v, microbatches, accumulation, optimizer, offload, ep, cp)
+        key = (tp, ep, cp, recompute)
+        if key not in self.choices:
+            self.choices[key] = () if recompute == "none" else tuple(strategy_choices(graph, recompute))
+        choices = self.choices[key]
         if recompute != "none" and not choices:
             return None  # the model has no blocks to recompute
         try:
@@ -297,16 +326,30 @@ class _Search:
         except (MemplanError, ValueError):  # a schedule torch refuses for this shape
             return None
         return self.layout(
-            gpus, tp, pp, schedule, v, microbatches, accumulation, optimizer, offload, recompute, peak, step, ep
+            gpus, tp, pp, schedule, v, microbatches, accumulation, optimizer, offload, recompute, peak, step, ep, cp
         )
 
     def layout(
-        self, gpus, tp, pp, schedule, v, microbatches, accumulation, optimizer, offload, recompute, peak, step, ep=1
+        self,
+        gpus,
+        tp,
+        pp,
+        schedule,
+        v,
+        microbatches,
+        accumulation,
+        optimizer,
+        offload,
+        recompute,
+        peak,
+        step,
+        ep=1,
+        cp=1,
     ) -> Layout:
         host = 0
         if offload:
-            config = self.config_for(tp, 1, gpus // tp, None, 1, 1, accumulation, optimizer, offload, ep)
-            s = host_states(self.graphs[(tp, ep)], config)
+            config = self.config_for(tp, 1, gpus // (tp * cp), None, 1, 1, accumulation, optimizer, offload, ep, cp)
+            s = host_states(self.graphs[(tp, ep, cp)], config)
             host = s.parameter + s.gradient + s.optimizer
         tokens = self.global_batch * self.base.seq_len
         flops = self.flops_per_sequence * self.global_batch
@@ -314,7 +357,7 @@ class _Search:
             gpus=gpus,
             tp=tp,
             pp=pp,
-            dp=gpus // (tp * pp),
+            dp=gpus // (tp * pp * cp),
             schedule=schedule,
             microbatches=microbatches,
             accumulation=accumulation,
@@ -333,6 +376,7 @@ class _Search:
             tokens_per_s_per_gpu=tokens / (step.step_s * gpus) if step.step_s > 0 else 0.0,
             mfu=flops / (step.step_s * gpus * self.peak_flops) if step.step_s > 0 else 0.0,
             ep=ep,
+            cp=cp,
         )
 
 
@@ -352,21 +396,43 @@ def repeated(step: StepTime, times: int) -> StepTime:
 def _expert_degrees(search: _Search, gpus: int, fixed: TrainConfig) -> list[int]:
     """Expert-parallel degrees above 1 for a mixture-of-experts model: powers of two dividing its
     experts and the data-parallel ranks (tp and pp 1: memplan composes EP with FSDP2 only)."""
-    experts = search.graphs[(1, 1)].meta.get("moe", {}).get("experts", 0)
+    experts = search.graphs[(1, 1, 1)].meta.get("moe", {}).get("experts", 0)
     if not experts or fixed.tp > 1 or fixed.pp > 1 or search.global_batch % (gpus * search.base.batch_size):
         return []
     degrees = [ep for ep in _powers_of_two(min(gpus, experts))[1:] if experts % ep == 0]
     return [ep for ep in degrees if fixed.ep in (1, ep) and search.expert_graph(ep) is not None]
 
 
+def _context_degrees(search: _Search, gpus: int, gpus_per_node: int, fixed: TrainConfig) -> list[tuple[int, int]]:
+    """(tp, cp) with context parallel above 1: the pinned --cp, else, from
+    CONTEXT_PARALLEL_FROM_SEQ_LEN tokens a sequence, powers of two whose 2·cp chunks split the
+    sequence; with the largest tensor-parallel degree in a node under which the model traces with
+    context parallel (FSDP2 over the rest, no pp)."""
+    if fixed.pp > 1 or fixed.ep > 1 or (fixed.cp == 1 and search.base.seq_len < CONTEXT_PARALLEL_FROM_SEQ_LEN):
+        return []
+    tps = [tp for tp in TENSOR_PARALLEL if tp <= min(gpus, gpus_per_node) and fixed.tp in (1, tp)]
+    for tp in reversed([tp for tp in tps if search.graph(tp) is not None]):
+        out = []
+        for cp in _powers_of_two(gpus // tp)[1:]:
+            dp = gpus // (tp * cp)
+            if fixed.cp not in (1, cp) or search.base.seq_len % (2 * cp):
+                continue
+            if search.global_batch % (dp * search.base.batch_size) == 0 and search.context_graph(tp, cp) is not None:
+                out.append((tp, cp))
+        if out:
+            return out
+    return []
+
+
 def _shapes(
     search: _Search, gpus: int, gpus_per_node: int, fixed: TrainConfig
-) -> list[tuple[int, int, int, str | None, int]]:
-    """(tp, ep, pp, schedule, stages per rank) that tile `gpus` and split the global batch evenly."""
-    out = [(1, ep, 1, None, 1) for ep in _expert_degrees(search, gpus, fixed)]
+) -> list[tuple[int, int, int, int, str | None, int]]:
+    """(tp, ep, cp, pp, schedule, stages per rank) that tile `gpus` and split the global batch evenly."""
+    out = [(1, ep, 1, 1, None, 1) for ep in _expert_degrees(search, gpus, fixed)]
+    out += [(tp, 1, cp, 1, None, 1) for tp, cp in _context_degrees(search, gpus, gpus_per_node, fixed)]
     b, batch = search.base.batch_size, search.global_batch
     for tp in TENSOR_PARALLEL:
-        if fixed.ep > 1:
+        if fixed.ep > 1 or fixed.cp > 1:
             break
         if tp > min(gpus, gpus_per_node) or gpus % tp or (fixed.tp > 1 and tp != fixed.tp):
             continue
@@ -382,11 +448,11 @@ def _shapes(
                 continue
             m = batch // (dp * b)
             if pp == 1:
-                out.append((tp, 1, 1, None, 1))
+                out.append((tp, 1, 1, 1, None, 1))
                 continue
             for schedule, v in SCHEDULES:
                 if blocks >= 2 * pp * v and m % (pp * v) == 0:  # at least two blocks a stage, whole rounds
-                    out.append((tp, 1, pp, schedule, v))
+                    out.append((tp, 1, 1, pp, schedule, v))
     return out
 
 
@@ -394,7 +460,7 @@ MICROBATCH_ROUNDS = (4, 2, 1)  # microbatches per pipeline step tried, in rounds
 
 
 def _shape_layouts(
-    search: _Search, gpus: int, tp: int, ep: int, pp: int, schedule: str | None, v: int, config: TrainConfig
+    search: _Search, gpus: int, tp: int, ep: int, cp: int, pp: int, schedule: str | None, v: int, config: TrainConfig
 ) -> list[Layout]:
     """The layouts simulated for one shape: for each optimizer/offload variant (cheapest first, until
     one fits), the lightest candidate first (full recompute, fewest microbatches), and when it fits,
@@ -402,17 +468,17 @@ def _shape_layouts(
     pipeline step that fit, until a level fits with the most. Peaks only grow with less recompute
     and more microbatches, and time with more recompute and fewer microbatches, so nothing left out
     could be faster and fit."""
-    graph = search.graphs[(tp, ep)]
-    dp = gpus // (tp * pp)
+    graph = search.graphs[(tp, ep, cp)]
+    dp = gpus // (tp * pp * cp)
     replica = search.global_batch // (dp * search.base.batch_size)  # micro-batches per replica and step
     rounds = [k * pp * v for k in MICROBATCH_ROUNDS if pp > 1 and replica % (k * pp * v) == 0] or [1]
     out: list[Layout] = []
     for optimizer, offload in _variants(config, pp, search):
-        if not offload and search.pruned(graph, gpus, tp, pp, dp, optimizer):
+        if not offload and search.pruned(graph, gpus, tp, pp, dp, optimizer, cp):
             continue
 
         def run(recompute: str, microbatches: int, optimizer=optimizer, offload=offload) -> Layout | None:
-            x = search.evaluate(gpus, tp, pp, schedule, v, microbatches, optimizer, offload, recompute, ep)
+            x = search.evaluate(gpus, tp, pp, schedule, v, microbatches, optimizer, offload, recompute, ep, cp)
             if x is not None:
                 out.append(x)
             return x
@@ -512,13 +578,13 @@ def search_layouts(
             f"--global-batch {batch} is not a multiple of the micro-batch --batch-size {config.batch_size}"
         )
     base = config.with_(
-        tp=1, pp=1, dp=1, ep=1, zero_stage=3, grad_accum_steps=1, microbatches=None, stages_per_rank=None
+        tp=1, pp=1, dp=1, ep=1, cp=1, zero_stage=3, grad_accum_steps=1, microbatches=None, stages_per_rank=None
     )
     search = _Search(spec, base, budget_bytes, device, batch)
     search.allow_offload, search.allow_8bit = allow_offload, allow_8bit
     if search.graph(1) is None:
         raise MemplanError(f"memplan cannot trace {spec}: {search.skipped[1]}")
-    _check_pinned(config, per_node, len(search.graphs[(1, 1)].regions))
+    _check_pinned(config, per_node, len(search.graphs[(1, 1, 1)].regions))
     layouts: list[Layout] = []
     first_fit: int | None = None
     counts = _powers_of_two(max_gpus)
@@ -527,8 +593,8 @@ def search_layouts(
             break
         if progress is not None:
             progress(done, len(counts), f"{gpus} GPUs")
-        for tp, ep, pp, schedule, v in _shapes(search, gpus, per_node, config):
-            layouts += _shape_layouts(search, gpus, tp, ep, pp, schedule, v, config)
+        for tp, ep, cp, pp, schedule, v in _shapes(search, gpus, per_node, config):
+            layouts += _shape_layouts(search, gpus, tp, ep, cp, pp, schedule, v, config)
         if first_fit is None and any(x.fits and x.gpus == gpus for x in layouts):
             first_fit = gpus
     if progress is not None:
@@ -571,7 +637,7 @@ def _check_pinned(config: TrainConfig, gpus_per_node: int, blocks: int) -> None:
 
 def _with_plan(search: _Search, layout: Layout, time_limit_s: float) -> tuple[Layout, dict | None]:
     """The recommended layout with the solver's recompute plan in place of a uniform one, when it is faster."""
-    graph = search.graphs[(layout.tp, layout.ep)]
+    graph = search.graphs[(layout.tp, layout.ep, layout.cp)]
     config = search.config_for(
         layout.tp,
         layout.pp,
@@ -583,6 +649,7 @@ def _with_plan(search: _Search, layout: Layout, time_limit_s: float) -> tuple[La
         layout.optimizer,
         layout.offload,
         layout.ep,
+        layout.cp,
     )
     try:
         if layout.pp == 1:
@@ -655,7 +722,7 @@ def launch_recipe(layout: Layout, spec: str, gpus_per_node: int, config: TrainCo
             f"pipeline_parallel_microbatch_size = {layout.micro_batch_size}",
         ]
     toml += [
-        "context_parallel_degree = 1",
+        f"context_parallel_degree = {layout.cp}",
         f"expert_parallel_degree = {layout.ep}",
         "",
         "[training]",

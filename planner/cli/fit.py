@@ -141,16 +141,12 @@ def run(args) -> None:
     for flag, value in (("--gpus", args.gpus), ("--max-gpus", args.max_gpus)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be a positive integer, got {value}")
-    if args.cp > 1:
-        raise ValueError(
-            f"fit does not search context-parallel layouts yet; see every rank with memplan simulate --cp {args.cp}"
-        )
-    if args.layouts or args.tp > 1 or args.pp > 1 or args.ep > 1:
+    if args.layouts or args.tp > 1 or args.pp > 1 or args.ep > 1 or args.cp > 1:
         if args.gpus:
             raise ValueError("--gpus asks for the largest batch on N GPUs; drop it to search layouts (--layouts)")
         for flag, value in (("--microbatches", args.microbatches), ("--stages-per-rank", args.stages_per_rank)):
             if value is not None:
-                raise ValueError(f"fit --layouts chooses {flag} itself; drop it (pin only --tp, --pp and --ep)")
+                raise ValueError(f"fit --layouts chooses {flag} itself; drop it (pin only --tp, --pp, --cp and --ep)")
         args.microbatches = 1 if args.pp > 1 else None  # --batch-size is the micro-batch here
         args.dp = max(args.dp, args.ep)  # the search chooses dp; a pinned --ep needs one it divides
         _run_layouts(args, config_from_args(args))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+import memplan_compat
 from costmodels.hardware import get_device
 from memplan_compat import FakeTensorMode
 from planner.tracing.attention import TargetAttention
@@ -35,6 +37,10 @@ def fake_model(
     """
     device = get_device(target)
     with ExitStack() as stack:
+        # an op that fails on fake tensors becomes one line (TraceError); torch would also log its stack
+        log = memplan_compat.fake_tensor_log
+        stack.callback(log.setLevel, log.level)
+        log.setLevel(logging.CRITICAL)
         fake_mode = stack.enter_context(FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True))
         if device.is_cuda:
             stack.enter_context(TargetAttention(device))
