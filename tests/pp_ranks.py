@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from planner.runtime.pipeline_verify import measure_schedule
 from planner.runtime.tracker import LiveBytesTracker
 from planner.runtime.verify import make_optimizer
 from planner.tracing.models import Llama, LlamaConfig, lm_loss, rotary_tables
@@ -114,16 +115,6 @@ def _stage_modules(builder: str, model, counts: list[int], stage_ids: list[int])
     return [cls(model, firsts[s], firsts[s] + counts[s], s == 0, s == last) for s in stage_ids]
 
 
-def _tensors(objects) -> list[torch.Tensor]:
-    return [t for t in objects if isinstance(t, torch.Tensor)]
-
-
-def _recv_buffers(stage) -> list[torch.Tensor]:
-    infos = [i for per_mb in stage.args_recv_info.values() for i in per_mb]
-    infos += [i for per_mb in stage.grad_recv_info.values() for i in per_mb]
-    return _tensors(getattr(i, "buffer", None) for i in infos)
-
-
 def measure_case(rank: int, builder: str, config, counts: list[int], steps: int, plans: dict | None = None) -> int:
     """This rank's lowest peak live bytes over `steps` measured steps (after a warm-up step); `plans`:
     a plan per stage (memplan plan --pp, as a dict) applied to each stage module."""
@@ -169,36 +160,12 @@ def measure_case(rank: int, builder: str, config, counts: list[int], steps: int,
     cls = getattr(schedules, PP_SCHEDULES[config.pp_schedule])
     multi = not issubclass(cls, schedules.PipelineScheduleSingle)
     sched = cls(stages if multi else stages[0], config.num_microbatches, loss_fn=loss_fn)
-    params = [p for m in modules for p in m.parameters()]
-    optimizer = make_optimizer(params, config.optimizer)
+    optimizer = make_optimizer([p for m in modules for p in m.parameters()], config.optimizer)
     step_args = (ids,) if 0 in stage_ids else ()
     step_kwargs = {"target": labels} if num_stages - 1 in stage_ids else {}
-    inputs_held = [*step_args, *step_kwargs.values()]
-    peaks = []
-    for step in range(steps + 1):  # step 0 warms up: shape inference, receive buffers, optimizer states
-        for s in stages:
-            s.clear_runtime_states()
-        tracker = tracker_cls()
-        tracker.track_all(
-            [
-                params,
-                [b for m in modules for b in m.buffers()],
-                inputs_held,
-                optimizer.state_dict()["state"] if optimizer is not None else [],
-                [b for s in stages for b in _recv_buffers(s)],
-            ]
-        )
-        with tracker:
-            for _ in range(config.grad_accum_steps):  # gradients accumulate across pipeline steps
-                sched.step(*step_args, return_outputs=False, **step_kwargs)
-            if optimizer is not None:
-                optimizer.step()
-            tracker.sample()
-        for p in params:
-            p.grad = None
-        if step:
-            peaks.append(tracker.peak_bytes)
-    return min(peaks)
+    return measure_schedule(
+        sched, modules, stages, optimizer, step_args, step_kwargs, config, steps=steps, tracker_cls=tracker_cls
+    )
 
 
 def _worker(rank: int, init_file: str, cases: list, queue, world_size: int) -> None:

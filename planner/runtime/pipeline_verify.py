@@ -34,7 +34,7 @@ from planner.tracing.hf import disable_kv_cache
 from planner.tracing.recorder import loss_of
 from planner.tracing.specs import resolve_spec
 
-__all__ = ["MEASURED_STEPS", "measure_pipeline_on_gloo_ranks"]
+__all__ = ["MEASURED_STEPS", "measure_pipeline_on_gloo_ranks", "measure_schedule"]
 
 MEASURED_STEPS = 2  # after one warm-up step; the lowest peak is reported
 
@@ -60,6 +60,51 @@ def _split_inputs(inputs) -> tuple[tuple, dict]:
 
 def _microbatch(values, size: int):
     return [v[:size] if isinstance(v, torch.Tensor) else v for v in values]
+
+
+def measure_schedule(
+    schedule,
+    modules: list[nn.Module],
+    stages: list,
+    optimizer,
+    step_args: tuple,
+    step_kwargs: dict,
+    config: TrainConfig,
+    *,
+    steps: int = MEASURED_STEPS,
+    tracker_cls: type[LiveBytesTracker] = LiveBytesTracker,
+) -> int:
+    """This rank's lowest peak of live tensor bytes over `steps` pipeline steps (each
+    ``grad_accum_steps`` schedule steps and the optimizer step) after a warm-up step, counting its
+    stage modules' parameters and buffers, optimizer states, the inputs it holds and its stages'
+    receive buffers from the start (`tracker_cls`: a sharded tracker under FSDP2)."""
+    params = [p for m in modules for p in m.parameters()]
+    held = [*step_args, *step_kwargs.values()]
+    peaks = []
+    for step in range(steps + 1):  # step 0 warms up: shapes, receive buffers, optimizer states
+        for s in stages:
+            s.clear_runtime_states()
+        tracker = tracker_cls()
+        tracker.track_all(
+            [
+                params,
+                [b for m in modules for b in m.buffers()],
+                held,
+                optimizer.state_dict()["state"] if optimizer is not None else [],
+                [b for s in stages for b in _recv_buffers(s)],
+            ]
+        )
+        with tracker:
+            for _ in range(config.grad_accum_steps):  # gradients accumulate across pipeline steps
+                schedule.step(*step_args, return_outputs=False, **step_kwargs)
+            if optimizer is not None:
+                optimizer.step()
+            tracker.sample()
+        for p in params:
+            p.grad = None
+        if step:
+            peaks.append(tracker.peak_bytes)
+    return min(peaks)
 
 
 def _recv_buffers(stage) -> list[torch.Tensor]:
@@ -154,34 +199,9 @@ def _measure_worker(rank: int, world_size: int, init_file: str, payload: tuple, 
         step_args, step_kwargs = (args, kwargs) if 0 in stage_ids else ((), {})
         if num_stages - 1 in stage_ids:
             step_kwargs = {**step_kwargs, "target": torch.zeros(config.batch_size)}
-        params = [p for s in stages for p in s.submod.parameters()]
-        optimizer = make_optimizer(params, config.optimizer)
-        held = [*step_args, *step_kwargs.values()]
-        peaks = []
-        for step in range(MEASURED_STEPS + 1):
-            for s in stages:
-                s.clear_runtime_states()
-            tracker = LiveBytesTracker()
-            tracker.track_all(
-                [
-                    params,
-                    [b for s in stages for b in s.submod.buffers()],
-                    held,
-                    optimizer.state_dict()["state"] if optimizer is not None else [],
-                    [b for s in stages for b in _recv_buffers(s)],
-                ]
-            )
-            with tracker:
-                for _ in range(config.grad_accum_steps):
-                    schedule.step(*step_args, return_outputs=False, **step_kwargs)
-                if optimizer is not None:
-                    optimizer.step()
-                tracker.sample()
-            for p in params:
-                p.grad = None
-            if step:
-                peaks.append(tracker.peak_bytes)
-        queue.put((rank, min(peaks)))
+        optimizer = make_optimizer([p for s in stages for p in s.submod.parameters()], config.optimizer)
+        peak = measure_schedule(schedule, [s.submod for s in stages], stages, optimizer, step_args, step_kwargs, config)
+        queue.put((rank, peak))
     finally:
         dist.destroy_process_group()
 
