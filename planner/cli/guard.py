@@ -16,13 +16,14 @@ __all__ = ["guarded_imports"]
 
 @contextlib.contextmanager
 def guarded_imports() -> Iterator[None]:
-    """Raise KeyboardInterrupt on leaving if Ctrl-C came meanwhile, even where a library's bare
-    `except:` swallowed it (main then prints "memplan COMMAND: interrupted" and returns 130)."""
+    """Raise KeyboardInterrupt on leaving if Ctrl-C came meanwhile (main then prints "memplan
+    COMMAND: interrupted" and returns 130). The Ctrl-C is only noted while the imports run: raised
+    inside an import, it can land in Python code that torch's C++ calls back into, which aborts the
+    process (pybind11 terminates on the exception) instead of unwinding."""
     noted: list[int] = []
 
     def note(signum: int, frame: object) -> None:
         noted.append(signum)
-        raise KeyboardInterrupt
 
     watch = threading.current_thread() is threading.main_thread()
     watch = watch and signal.getsignal(signal.SIGINT) is signal.default_int_handler  # else: ignored or handled
