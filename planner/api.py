@@ -298,11 +298,12 @@ def _verify_pipeline(spec: str, config: TrainConfig, plan: str | None, timeout_s
     pipeline tracer where the simulation cuts them (planner/runtime/pipeline_verify.py)."""
     from planner.runtime.pipeline_verify import measure_pipeline_on_gloo_ranks  # torch.distributed's stack
 
-    timeline = simulate_pipeline_model(spec, config, plan)  # checks the plan
+    stage_plans = _stage_plans_for(plan, config) if plan is not None else None
+    timeline = simulate_pipeline_model(spec, config, stage_plans)
     by_rank = {r: role.peak_bytes for role in timeline.layout.roles for r in role.ranks}
     predicted = [by_rank[r] for r in range(config.pp)]
-    stage_plans = load_plan(plan).to_dict() if plan is not None else None
-    measured = measure_pipeline_on_gloo_ranks(spec, config, timeline.blocks_per_stage, stage_plans, timeout_s)
+    sent = stage_plans.to_dict() if stage_plans is not None else None
+    measured = measure_pipeline_on_gloo_ranks(spec, config, timeline.blocks_per_stage, sent, timeout_s)
     errors = [(p - m) / m for p, m in zip(predicted, measured)]
     return LayoutVerifyResult(spec, predicted, measured, errors, config.to_dict(), plan)
 

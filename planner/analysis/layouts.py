@@ -188,8 +188,7 @@ class _Search:
         self.spec, self.base, self.budget, self.device, self.global_batch = spec, config, budget, device, global_batch
         self.graphs: dict[tuple[int, int, int], OpGraph] = {}  # (tp, ep, cp) -> the traced (worst) rank's graph
         self.skipped: dict[int, str] = {}
-        self.skipped_ep: dict[int, str] = {}
-        self.skipped_cp: dict[tuple[int, int], str] = {}
+        self.skipped_roles: dict[tuple[int, int, int], str] = {}  # (tp, ep, cp) -> why it cannot be traced
         dtype = get_precision(config.precision).autocast_dtype or get_precision(config.precision).param_dtype
         self.peak_flops = peak_flops_per_s(dtype, device)
         self.flops_per_sequence = 0.0
@@ -223,30 +222,25 @@ class _Search:
 
     def expert_graph(self, ep: int) -> OpGraph | None:
         """The busiest expert-parallel role's graph at degree `ep` (traced once, whatever the GPU count)."""
-        if (1, ep, 1) in self.graphs or ep in self.skipped_ep:
-            return self.graphs.get((1, ep, 1))
-        traced = self.base.with_(dp=ep, ep=ep, zero_stage=3)
-        try:
-            _, graphs = trace_roles(self.spec, traced)
-        except (TraceError, MemplanError, ValueError, RuntimeError) as exc:
-            self.skipped_ep[ep] = " ".join(str(exc).split())[:200]
-            return None
-        self.graphs[(1, ep, 1)] = max(graphs.values(), key=lambda g: simulate(g, traced).peak_bytes)
-        return self.graphs[(1, ep, 1)]
+        return self._heaviest_role((1, ep, 1), self.base.with_(dp=ep, ep=ep, zero_stage=3))
 
     def context_graph(self, tp: int, cp: int) -> OpGraph | None:
         """The heaviest context-parallel rank's graph at degrees (tp, cp) (every cp index traced: each
         runs its own ring steps), whatever the GPU count."""
-        if (tp, 1, cp) in self.graphs or (tp, cp) in self.skipped_cp:
-            return self.graphs.get((tp, 1, cp))
-        traced = self.base.with_(tp=tp, cp=cp, dp=1, zero_stage=3)
+        return self._heaviest_role((tp, 1, cp), self.base.with_(tp=tp, cp=cp, dp=1, zero_stage=3))
+
+    def _heaviest_role(self, key: tuple[int, int, int], traced: TrainConfig) -> OpGraph | None:
+        """Every role of the layout `traced` traced once, the one with the highest peak kept under
+        `key` (tp, ep, cp); None, with the reason kept in `skipped_roles`, when it cannot be traced."""
+        if key in self.graphs or key in self.skipped_roles:
+            return self.graphs.get(key)
         try:
             _, graphs = trace_roles(self.spec, traced)
         except (TraceError, MemplanError, ValueError, RuntimeError) as exc:
-            self.skipped_cp[(tp, cp)] = " ".join(str(exc).split())[:200]
+            self.skipped_roles[key] = " ".join(str(exc).split())[:200]
             return None
-        self.graphs[(tp, 1, cp)] = max(graphs.values(), key=lambda g: simulate(g, traced).peak_bytes)
-        return self.graphs[(tp, 1, cp)]
+        self.graphs[key] = max(graphs.values(), key=lambda g: simulate(g, traced).peak_bytes)
+        return self.graphs[key]
 
     def states_lower_bound(self, graph: OpGraph, pp: int, dp: int, optimizer: str) -> int:
         """Model-state bytes of the lightest rank: the traced rank's states over pp stages and dp shards."""

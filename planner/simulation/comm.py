@@ -26,6 +26,7 @@ from costmodels.hardware import DeviceSpec
 from costmodels.runtime import collective_time_s
 from planner.config import TrainConfig
 from planner.simulation.fsdp import fsdp_itemsizes
+from planner.simulation.memo import memo
 from planner.tracing.graph import OpGraph
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "fsdp_communication",
     "fsdp_schedule",
     "step_communication",
+    "unplanned_communication",
 ]
 
 
@@ -233,3 +235,9 @@ def step_communication(
     replayed_s = float(sum(recompute_s))
     backward_s = float(times[graph.backward_start :].sum()) + replayed_s
     return CommSchedule(float(times.sum()) + replayed_s, comm, max(comm - backward_s, last_bucket))
+
+
+def unplanned_communication(graph: OpGraph, times: np.ndarray, config: TrainConfig, device: DeviceSpec) -> CommSchedule:
+    """:func:`step_communication` without a plan, computed once per graph, config and device (the
+    simulator's baseline for hidden recompute, and the waits the planner prices recompute against)."""
+    return memo("communication", graph, (config, device), lambda: step_communication(graph, times, config, device))

@@ -84,6 +84,8 @@ def _exposed_collectives(graph: OpGraph, times: np.ndarray) -> None:
     DTensor's collectives, used by the next op, hide nothing. Each collective's time becomes what
     that compute does not cover."""
     collectives = {op.outputs[0]: op.index for op in graph.ops if op.name in COLLECTIVE_OPS and op.outputs}
+    if not collectives:
+        return
     first_use: dict[int, int] = {}
     for op in graph.ops:
         if op.name == _WAIT or not (op.allocs or op.mutates or op.flops):

@@ -22,7 +22,7 @@ from costmodels.memory import ModelStates
 from costmodels.runtime import checkpoint_host_s
 from planner.config import TrainConfig
 from planner.errors import TraceError
-from planner.simulation.comm import block_recompute_s, step_communication
+from planner.simulation.comm import block_recompute_s, step_communication, unplanned_communication
 from planner.simulation.costs import (
     StepCosts,
     category_scale,
@@ -43,7 +43,6 @@ from planner.simulation.effects import (
     storage_events,
 )
 from planner.simulation.fsdp import fsdp_buffers
-from planner.simulation.memo import memo
 from planner.tracing.graph import CATEGORIES, OpGraph
 
 __all__ = ["Timeline", "simulate", "step_events"]
@@ -200,7 +199,7 @@ def simulate(
     exposed = exposed_transfer_s(transfers, times, graph.backward_start, device)
     recompute_s = sum(e.recompute_s for e in effects)
     optimizer_s = optimizer_step_s(states.total, device)
-    unplanned = memo("communication", graph, (config, device), lambda: step_communication(graph, times, config, device))
+    unplanned = unplanned_communication(graph, times, config, device)
     replays = block_recompute_s(graph, ((c.span.fwd_start, e.recompute_s) for c, e in zip(choices, effects)))
     comm = step_communication(graph, times, config, device, replays) if recompute_s else unplanned
     micro_batch_s = float(times.sum()) + recompute_s + exposed + comm.exposed_communication_s

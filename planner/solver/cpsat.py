@@ -27,7 +27,7 @@ from costmodels.hardware import get_device
 from planner.config import DEFAULT_TIME_LIMIT_S, TrainConfig
 from planner.errors import InfeasibleBudget, MemplanError, SolverTimeout
 from planner.signals import interruptible
-from planner.simulation.comm import step_communication
+from planner.simulation.comm import unplanned_communication
 from planner.simulation.costs import op_times, storage_bytes
 from planner.simulation.effects import SpanChoice, exposed_transfer_s
 from planner.simulation.step import Timeline, simulate
@@ -155,7 +155,7 @@ def _backward_waits(graph: OpGraph, config: TrainConfig, times: np.ndarray) -> d
     """Seconds each block's backward waits on communication without a plan, by block path: a
     recompute in that block runs in the wait (planner.simulation.comm), so up to that much of it
     adds nothing to the step."""
-    schedule = step_communication(graph, times, config, get_device(config.gpu))
+    schedule = unplanned_communication(graph, times, config, get_device(config.gpu))
     regions = sorted(graph.regions, key=lambda r: r.fwd_start)
     return {r.path: w for r, w in zip(regions, schedule.backward_wait_s) if w > 0}
 
