@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
@@ -81,8 +82,26 @@ class _KeepPolicy:
         return CheckpointPolicy.MUST_SAVE if key in self.keep_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _skip_profiler_ranges() -> None:
+    """FSDP2's hooks open profiler ranges (``record_function``) a different number of times in a
+    checkpointed region's forward and in its recompute (a ``fully_shard`` unit nested in the region,
+    e.g. the experts of an expert-parallel block under FSDP2), and torch 2.13's selective
+    checkpointing counts every op of both and refuses a mismatch. Those ranges compute nothing:
+    selective checkpointing skips them as it skips ``detach`` (torch's SAC_IGNORED_OPS)."""
+    profiler = torch.ops.profiler
+    SAC_IGNORED_OPS.update(
+        {
+            profiler._record_function_enter.default,
+            profiler._record_function_enter_new.default,
+            profiler._record_function_exit.default,
+            profiler._record_function_exit._RecordFunction,
+        }
+    )
+
+
 def selective_context_fn(keep_ops: frozenset[str]) -> Callable[[], tuple[Any, Any]]:
     """A checkpoint `context_fn` that builds a fresh policy (fresh counters) per checkpoint call."""
+    _skip_profiler_ranges()
 
     def context_fn() -> tuple[Any, Any]:
         return create_selective_checkpoint_contexts(_KeepPolicy(keep_ops))

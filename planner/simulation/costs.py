@@ -12,6 +12,7 @@ from costmodels.hardware import DeviceSpec, get_device
 from costmodels.memory import ModelStates, get_precision, model_state_bytes
 from costmodels.runtime import collective_time_s, op_time_s
 from planner.config import TrainConfig
+from planner.tracing.collectives import WAIT_OP, collective_first_uses
 from planner.tracing.graph import OpGraph, OpNode
 from planner.tracing.op_classes import ATTENTION_BACKWARD_OPS, ATTENTION_OPS, COLLECTIVE_OPS
 
@@ -56,7 +57,6 @@ class StepCosts:
 
 
 _ALL_TO_ALL = str(torch.ops._c10d_functional.all_to_all_single.default)
-_WAIT = str(torch.ops._c10d_functional.wait_tensor.default)
 
 
 def collective_s(op: OpNode, graph: OpGraph, device: DeviceSpec) -> float:
@@ -78,24 +78,13 @@ def collective_s(op: OpNode, graph: OpGraph, device: DeviceSpec) -> float:
 
 
 def _exposed_collectives(graph: OpGraph, times: np.ndarray) -> None:
-    """A functional collective runs on its own stream until its output is first used (its
-    AsyncCollectiveTensor waits there; a trace records the wait at once): the compute issued in
-    between hides it (ring attention issues the K/V exchange before attending to the local chunk);
-    DTensor's collectives, used by the next op, hide nothing. Each collective's time becomes what
-    that compute does not cover."""
-    collectives = {op.outputs[0]: op.index for op in graph.ops if op.name in COLLECTIVE_OPS and op.outputs}
-    if not collectives:
-        return
-    first_use: dict[int, int] = {}
-    for op in graph.ops:
-        if op.name == _WAIT or not (op.allocs or op.mutates or op.flops):
-            continue  # the trace's wait, and views of the output, do not wait for it
-        for t in op.inputs:
-            if t in collectives and op.index > collectives[t]:
-                first_use.setdefault(t, op.index)
-    for t, issued in collectives.items():
-        used = first_use.get(t, issued + 1)
-        window = [o for o in graph.ops[issued + 1 : used] if o.name not in COLLECTIVE_OPS and o.name != _WAIT]
+    """A functional collective runs on its own stream until its output is first used
+    (planner.tracing.collectives): the compute issued in between hides it (ring attention issues
+    the K/V exchange before attending to the local chunk); DTensor's collectives, used by the next
+    op, hide nothing. Each collective's time becomes what that compute does not cover."""
+    for issued, used in collective_first_uses(graph).items():
+        end = issued + 1 if used is None else used
+        window = [o for o in graph.ops[issued + 1 : end] if o.name not in COLLECTIVE_OPS and o.name != WAIT_OP]
         hidden = float(sum(times[o.index] for o in window))
         times[issued] = max(0.0, float(times[issued]) - hidden)
 

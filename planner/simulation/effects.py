@@ -25,6 +25,7 @@ from costmodels.runtime import CheckpointHost, transfer_time_s
 from planner.errors import MemplanError, PlanFileError
 from planner.plans.decisions import OpKeys, module_plans
 from planner.plans.format import Decision
+from planner.tracing.collectives import collective_first_uses
 from planner.tracing.graph import OpGraph
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "module_span",
     "op_keys",
     "dropped_tensors",
+    "effective_keeps",
     "choices_from_decisions",
     "recompute_ops",
     "recompute_stop",
@@ -158,6 +160,24 @@ def recompute_ops(graph: OpGraph, span: ModuleSpan, keep_ops: frozenset[int], dr
     if not dropped:
         return []
     return [i for i in range(span.fwd_start, recompute_stop(graph, span)) if i not in keep_ops]
+
+
+def effective_keeps(graph: OpGraph, choice: SpanChoice) -> frozenset[int]:
+    """The ops whose outputs a recompute choice keeps: its own `keep_ops`, plus every functional
+    collective the early-stopped recompute would issue but not wait for (its first use lies at or
+    past the span's last save, planner.tracing.collectives: an expert-parallel combine read by the
+    block's final scatter). Re-issued, such a collective's buffer and work would stay registered,
+    never waited, for the life of the process; kept, selective checkpointing returns it from its
+    cache and the recompute communicates nothing for it (torchtitan's SAC keeps all-to-all outputs too)."""
+    if choice.mode != "recompute":
+        return choice.keep_ops
+    stop = recompute_stop(graph, choice.span)
+    cut = [
+        issued
+        for issued, used in collective_first_uses(graph).items()
+        if choice.span.fwd_start <= issued < stop and (used is None or used >= stop)
+    ]
+    return choice.keep_ops | frozenset(cut) if cut else choice.keep_ops
 
 
 def recompute_stop(graph: OpGraph, span: ModuleSpan) -> int:
@@ -304,8 +324,9 @@ def choice_effect(
     outlived the step without the plan (as in torch: the re-created tensor is the one kept).
     """
     span = choice.span
-    dropped = dropped_tensors(graph, span, choice.keep_ops)
-    cached = cached_outputs(graph, span, choice.keep_ops, dropped)
+    keep_ops = effective_keeps(graph, choice)
+    dropped = dropped_tensors(graph, span, keep_ops)
+    cached = cached_outputs(graph, span, keep_ops, dropped)
     events: list[Event] = []
 
     def add(op: int, stage: int, tid: int, sign: int) -> None:
@@ -336,18 +357,18 @@ def choice_effect(
     if choice.mode == "offload":
         transfer = Transfer(span.fwd_end, sum(sizes[tid] for tid in dropped), choice.target)
         return ChoiceEffect(moved, tuple(events), 0, 0.0, transfer)
-    events += _replay(graph, span, choice.keep_ops, dropped, popped, sizes)
+    events += _replay(graph, span, keep_ops, dropped, popped, sizes)
     for tid in graph.buffers_written(span.path).values():  # the pre-forward copies its replay runs on
         events += [
             Event(span.fwd_start, ALLOC, tid, sizes[tid], "buffer"),
             Event(span.bwd_end, FREE, tid, -sizes[tid], "buffer"),
         ]
-    redo = recompute_ops(graph, span, choice.keep_ops, dropped)
+    redo = recompute_ops(graph, span, keep_ops, dropped)
     flops = sum(graph.ops[i].flops for i in redo)
     seconds = float(times[redo].sum()) if redo else 0.0
     host = host or CheckpointHost()
     replayed = recompute_stop(graph, span) - span.fwd_start if dropped else 0
-    if choice.keep_ops:
+    if keep_ops:
         seconds += host.selective_op_s * (span.fwd_end - span.fwd_start + replayed)
     else:
         seconds += host.replay_op_s * replayed

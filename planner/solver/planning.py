@@ -10,7 +10,7 @@ from planner.config import DEFAULT_TIME_LIMIT_S, TrainConfig
 from planner.errors import InfeasibleBudget, SpecError
 from planner.plans.format import Decision, ModelInfo, Plan, Predicted, SolverInfo
 from planner.simulation.costs import StepCosts
-from planner.simulation.effects import SpanChoice, op_keys
+from planner.simulation.effects import SpanChoice, effective_keeps, op_keys
 from planner.simulation.step import simulate
 from planner.solver.baselines import check_strategy, strategy_choices
 from planner.solver.cpsat import solve_choices
@@ -31,7 +31,7 @@ def decisions_for(graph: OpGraph, choices: Sequence[SpanChoice]) -> tuple[Decisi
             continue
         out.append(Decision(c.span.path, "recompute", None, None))
         keys = op_keys(graph, c.span)
-        out += [Decision(c.span.path, "keep", keys[i], None) for i in sorted(c.keep_ops)]
+        out += [Decision(c.span.path, "keep", keys[i], None) for i in sorted(effective_keeps(graph, c))]
     return tuple(out)
 
 
