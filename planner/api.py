@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections import Counter
+from collections.abc import Callable, Hashable
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -20,9 +21,9 @@ from planner.plans.format import CompiledPlan, Plan, PlanLadder, StagePlans, loa
 from planner.plans.identity import check_plan_matches
 from planner.runtime.apply import apply_plan
 from planner.runtime.verify import Measurement, measure_step
-from planner.simulation.layout import is_tensor_parallel, layout_timeline, simulate_ranks, trace_roles
-from planner.simulation.pipeline import PipelineTimeline, simulate_pipeline
-from planner.simulation.ranks import LayoutTimeline
+from planner.simulation.layout import is_tensor_parallel, layout_timeline, role_of, simulate_ranks, trace_roles
+from planner.simulation.pipeline import PipelineTimeline, simulate_pipeline, simulate_pipeline_roles
+from planner.simulation.ranks import LayoutTimeline, RankCoords
 from planner.simulation.step import Timeline, simulate
 from planner.solver.baselines import check_strategy, strategy_choices
 from planner.tracing.graph import OpGraph
@@ -115,20 +116,19 @@ def _refuse_pipeline(config: TrainConfig, command: str) -> None:
         )
 
 
-def _pipeline_graph(spec: str, config: TrainConfig) -> OpGraph:
-    """The step traced once at one microbatch's batch (what every stage is cut from); under tensor
-    parallel, the first tensor-parallel rank's step."""
+def _pipeline_roles(spec: str, config: TrainConfig) -> tuple[dict[Hashable, OpGraph], Callable[[RankCoords], Hashable]]:
+    """The step traced at one microbatch's batch (what every stage is cut from), once per distinct
+    role of a stage's ranks (tensor or expert parallel: trace_roles), and the role of each rank."""
     micro = config.batch_size // config.num_microbatches
-    if config.tp > 1:
-        from planner.tracing.parallel.rank_trace import trace_tp_rank  # DTensor imports: only under TP
-
-        stage = config.with_(
-            pp=1, pp_schedule="1f1b", pp_split="uniform", microbatches=None, stages_per_rank=None, batch_size=micro
-        )
-        return trace_tp_rank(spec, stage, rank=0)[0]
-    return trace(
+    stage = config.with_(
+        pp=1, pp_schedule="1f1b", pp_split="uniform", microbatches=None, stages_per_rank=None, batch_size=micro
+    )
+    if is_tensor_parallel(stage):
+        keys, graphs = trace_roles(spec, stage)
+        return dict(graphs), role_of(stage, keys)
+    graph = trace(
         spec,
-        batch_size=config.batch_size // config.num_microbatches,
+        batch_size=micro,
         seq_len=config.seq_len,
         precision=config.precision,
         gathered_params=config.zero_stage == 3,
@@ -136,6 +136,7 @@ def _pipeline_graph(spec: str, config: TrainConfig) -> OpGraph:
         blocks=config.blocks,
         gpu=config.gpu,
     )
+    return {(): graph}, lambda coords: ()
 
 
 def _stage_plans_for(plan, config: TrainConfig) -> StagePlans:
@@ -165,13 +166,16 @@ def simulate_pipeline_model(
     fixed recompute `strategy`)."""
     _check_strategy(plan, strategy)
     stage_plans = _stage_plans_for(plan, config) if plan is not None else None
-    graph = _pipeline_graph(spec, config)
+    graphs, key_of = _pipeline_roles(spec, config)
     from planner.solver.pipeline_plans import choices_of  # CP-SAT's stack only where a plan is read
 
-    choices = choices_of(graph, stage_plans) if stage_plans is not None else strategy_choices(graph, strategy)
+    choices = {
+        key: choices_of(graph, stage_plans) if stage_plans is not None else strategy_choices(graph, strategy)
+        for key, graph in graphs.items()
+    }
     if stage_plans is not None:
         config = config.with_(pp_split=",".join(str(len(s.blocks)) for s in stage_plans.stages))
-    result = simulate_pipeline(graph, config, choices)
+    result = simulate_pipeline_roles(graphs, key_of, config, choices)
     for role in result.layout.roles:
         role.timeline.config["model"] = spec
     return result
@@ -189,15 +193,36 @@ def plan_pipeline_model(
     """A plan per pipeline stage under one budget for every pp rank: (PipelinePlan, StagePlans, the
     same choices as one plan for all stages, replayed: PipelineEvaluation). `budget_bytes` may be a
     percentage of the worst rank's no-plan peak."""
-    graph = _pipeline_graph(spec, config)
+    graphs, key_of = _pipeline_roles(spec, config)
+    peaks = {key: simulate_pipeline(graph, config).peak_bytes for key, graph in graphs.items()}
+    graph = graphs[max(peaks, key=peaks.__getitem__)]  # the heaviest role's plan holds for the others
     if isinstance(budget_bytes, str):
-        budget_bytes = parse_budget(budget_bytes, simulate_pipeline(graph, config).peak_bytes)
-    from planner.solver.pipeline_plans import evaluate_pipeline, solve_pipeline_split, stage_plans, uniform_choices
+        budget_bytes = parse_budget(budget_bytes, max(peaks.values()))
+    from planner.solver.pipeline_plans import (
+        choices_of,
+        evaluate_pipeline,
+        solve_pipeline_split,
+        stage_plans,
+        uniform_choices,
+    )
 
     result, config = solve_pipeline_split(
         graph, config, budget_bytes, keep=keep, recompute=recompute, time_limit_s=time_limit_s
     )
     plans = stage_plans(graph, config, result)
+    if len(graphs) > 1:
+        every = {key: choices_of(g, plans) for key, g in graphs.items()}
+        over = [
+            r
+            for r in simulate_pipeline_roles(graphs, key_of, config, every).layout.roles
+            if r.peak_bytes > budget_bytes
+        ]
+        if over:
+            raise InfeasibleBudget(
+                f"the stage plans made for the heaviest role leave rank {over[0].ranks[0]} "
+                f"({over[0].coords.to_dict()}) at {over_budget(over[0].peak_bytes, budget_bytes)}; raise --budget",
+                smallest_peak_bytes=over[0].peak_bytes,
+            )
     uniform = evaluate_pipeline(graph, config, uniform_choices(graph, config, result), result.cuts)
     return result, plans, uniform
 

@@ -167,8 +167,6 @@ class TrainConfig:
                 f"--ep {self.ep} must divide --dp {self.dp} × --cp {self.cp}: expert parallel borrows its ranks "
                 f"from data parallel; use a --dp that --ep divides (e.g. --dp {self.ep})"
             )
-        if self.ep > 1 and self.pp > 1:
-            raise ValueError("--ep together with --pp is not simulated yet; drop --pp or --ep")
         if self.ep > 1 and self.zero_stage in (1, 2):
             raise ValueError(f"--ep with --zero {self.zero_stage} is not modelled; use --zero 3 (FSDP2) or --zero 0")
         self._check_context_parallel()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import queue as queue_module
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -99,6 +100,39 @@ class HFStage(nn.Module):
         return self.lm_head(self.norm(h)) if self.lm_head is not None else h
 
 
+class MoEStage(nn.Module):
+    """Layers [first, end) of the torchtitan-style MoE decoder (tests/ep_models.py), its rotary
+    frequencies per forward; the embeddings on stage 0, norm and output on the last."""
+
+    def __init__(self, model, first: int, end: int, is_first: bool, is_last: bool) -> None:
+        super().__init__()
+        self.head_dim = model.head_dim
+        self.tok_embeddings = model.tok_embeddings if is_first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(first, end)})
+        self.norm = model.norm if is_last else None
+        self.output = model.output if is_last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        seqlen, d = h.shape[1], self.head_dim
+        freqs = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=h.device).float() / d))
+        freqs_cis = torch.polar(torch.ones(seqlen, freqs.numel()), torch.outer(torch.arange(seqlen).float(), freqs))
+        for layer in self.layers.values():
+            h = layer(h, freqs_cis)
+        return self.output(self.norm(h)) if self.output is not None else h
+
+
+def titan_moe(batch_size: int, seq_len: int):
+    """The torchtitan-style MoE decoder of tests/ep_models.py (2 layers, 4 experts top-2, a shared expert)."""
+    from ep_models import titan_moe as build
+
+    return build(batch_size, seq_len)
+
+
+def _moe_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
 def _hf_loss(vocab_size: int):
     from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -110,7 +144,7 @@ def _hf_loss(vocab_size: int):
 
 def _stage_modules(builder: str, model, counts: list[int], stage_ids: list[int]):
     firsts = [sum(counts[:k]) for k in range(len(counts))]
-    cls = HFStage if builder == "hf_llama" else TitanStage
+    cls = {"hf_llama": HFStage, "titan_moe": MoEStage}.get(builder, TitanStage)
     last = len(counts) - 1
     return [cls(model, firsts[s], firsts[s] + counts[s], s == 0, s == last) for s in stage_ids]
 
@@ -131,13 +165,26 @@ def measure_case(rank: int, builder: str, config, counts: list[int], steps: int,
     num_stages = config.pp * v
     sharded = config.zero_stage >= 3 and config.dp > 1
     pp_rank, group, tracker_cls = rank, None, LiveBytesTracker
-    if sharded:  # mesh [pp, dp] as torchtitan: FSDP2 per block of each stage, then the stage
+    if sharded or config.ep > 1:
+        # mesh [pp, dp] as torchtitan, dp as [edp, ep] (expert parallel borrows data-parallel ranks)
         from torch.distributed.device_mesh import init_device_mesh
 
+        from planner.runtime.parallel_verify import LocalBytesTracker
         from planner.runtime.shard import ShardedBytesTracker, fsdp_kwargs
 
-        mesh = init_device_mesh("cpu", (config.pp, config.dp), mesh_dim_names=("pp", "dp"))
-        pp_rank, group, tracker_cls = rank // config.dp, mesh["pp"].get_group(), ShardedBytesTracker
+        shape, names = (config.pp, config.dp // config.ep, config.ep), ("pp", "edp", "ep")
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        dp_mesh = mesh["edp", "ep"]._flatten("dp")
+        pp_rank, group = rank // config.dp, mesh["pp"].get_group()
+        tracker_cls = LocalBytesTracker if config.ep > 1 else ShardedBytesTracker
+    experts: list[str] = []
+    if config.ep > 1:  # the experts sharded over ep before the stages are cut (they share the modules)
+        from torch.distributed.tensor import DTensor
+
+        from planner.tracing.parallel.ep_plans import resolve_ep_plan
+
+        resolve_ep_plan(config.ep_plan)(model, mesh["ep"], None)
+        experts = sorted({n.rpartition(".")[0] for n, p in model.named_parameters() if isinstance(p, DTensor)})
     stage_ids = list(stages_of_rank(pp_rank, config.pp, v, config.pp_schedule))
     modules = _stage_modules(builder, model, counts, stage_ids)
     if plans is not None:
@@ -150,22 +197,30 @@ def measure_case(rank: int, builder: str, config, counts: list[int], steps: int,
     if sharded:
         from torch.distributed.fsdp import fully_shard
 
-        kwargs = {**fsdp_kwargs(config), "mesh": mesh["dp"]}
+        kwargs = {**fsdp_kwargs(config), "mesh": dp_mesh}
         for m in modules:
+            for path in experts:  # torchtitan: the experts over the dp / ep ranks holding the same ones, first
+                if path.split(".")[1] in m.layers:
+                    fully_shard(model.get_submodule(path), **{**kwargs, "mesh": mesh["edp"]})
             for layer in m.layers.values():
                 fully_shard(layer, **kwargs)
             fully_shard(m, **kwargs)
     stages = [PipelineStage(m, s, num_stages, torch.device("cpu"), group=group) for m, s in zip(modules, stage_ids)]
-    loss_fn = _hf_loss(model.config.vocab_size) if builder == "hf_llama" else lm_loss
+    loss_fn = {"hf_llama": lambda: _hf_loss(model.config.vocab_size), "titan_moe": lambda: _moe_loss}.get(
+        builder, lambda: lm_loss
+    )()
     cls = getattr(schedules, PP_SCHEDULES[config.pp_schedule])
     multi = not issubclass(cls, schedules.PipelineScheduleSingle)
     sched = cls(stages if multi else stages[0], config.num_microbatches, loss_fn=loss_fn)
     optimizer = make_optimizer([p for m in modules for p in m.parameters()], config.optimizer)
     step_args = (ids,) if 0 in stage_ids else ()
     step_kwargs = {"target": labels} if num_stages - 1 in stage_ids else {}
-    return measure_schedule(
-        sched, modules, stages, optimizer, step_args, step_kwargs, config, steps=steps, tracker_cls=tracker_cls
-    )
+    from planner.runtime.routing import assumed_routing
+
+    with assumed_routing(config.moe_imbalance) if config.ep > 1 else nullcontext():
+        return measure_schedule(
+            sched, modules, stages, optimizer, step_args, step_kwargs, config, steps=steps, tracker_cls=tracker_cls
+        )
 
 
 def _worker(rank: int, init_file: str, cases: list, queue, world_size: int) -> None:

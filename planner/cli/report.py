@@ -93,15 +93,10 @@ def _ranks_lines(result: dict) -> list[str]:
 def _pipeline_lines(result: dict) -> list[str]:
     """A pipeline's schedule, split, each pp rank's stages, in-flight microbatches and peak, and its bubble."""
     pl = result["pipeline"]
+    stages = {role["coords"]["pp"]: role["stage"] for role in result["ranks"]}
     rows = [
-        [
-            r,
-            ",".join(map(str, role["stage"])),
-            pl["in_flight"][r],
-            format_bytes(role["peak_bytes"]),
-            pl["peak_actions"][r],
-        ]
-        for r, role in enumerate(result["ranks"])
+        [r, ",".join(map(str, stages[r])), pl["in_flight"][r], format_bytes(peak), pl["peak_actions"][r]]
+        for r, peak in enumerate(pl["peak_bytes_per_pp_rank"])
     ]
     return [
         f"pipeline {pl['schedule']}: {pl['pp']} ranks × {pl['stages_per_rank']} stages, {pl['microbatches']} "

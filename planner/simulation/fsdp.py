@@ -39,7 +39,17 @@ from planner.config import TrainConfig
 from planner.simulation.memo import memo
 from planner.tracing.graph import OpGraph, TensorInfo
 
-__all__ = ["FsdpUnit", "fsdp_buffers", "fsdp_itemsizes", "fsdp_units", "padded_bytes", "param_itemsize", "param_owners"]
+__all__ = [
+    "expert_params",
+    "state_shape",
+    "FsdpUnit",
+    "fsdp_buffers",
+    "fsdp_itemsizes",
+    "fsdp_units",
+    "padded_bytes",
+    "param_itemsize",
+    "param_owners",
+]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
@@ -79,6 +89,27 @@ def fsdp_units(graph: OpGraph, dp: int) -> list[FsdpUnit]:
     """The blocks in forward order, then the root; a parameter belongs to the first block that reads it
     (kept while the graph lives; read-only)."""
     return memo("fsdp_units", graph, dp, lambda: _fsdp_units(graph, dp))
+
+
+def expert_params(graph: OpGraph) -> frozenset[int]:
+    """Storages of the expert-parallel parameters (each rank's local experts) of an EP trace (kept
+    while the graph lives)."""
+
+    def find() -> frozenset[int]:
+        params = {t.id: t for t in graph.preexisting() if t.category == "parameter"}
+        return frozenset().union(*(owned for _, owned in _expert_units(graph, params)))
+
+    return memo("expert_params", graph, (), find)
+
+
+def state_shape(graph: OpGraph, tensor_id: int, zero_stage: int) -> tuple[int, ...]:
+    """The shape whose ZeRO-3 shard a rank keeps of a traced parameter: an expert parameter's whole
+    (its local experts times ep, sharded over dp / ep ranks), any other as traced."""
+    shape = tuple(graph.tensors[tensor_id].shape)
+    ep = int(graph.meta.get("ep", 1))
+    if zero_stage == 3 and ep > 1 and shape and tensor_id in expert_params(graph):
+        return (shape[0] * ep, *shape[1:])
+    return shape
 
 
 def param_owners(graph: OpGraph) -> dict[int, int]:

@@ -13,16 +13,16 @@ routing assumption (the busiest first).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from planner.config import TrainConfig
 from planner.errors import MemplanError
 from planner.simulation.effects import SpanChoice
-from planner.simulation.ranks import LayoutTimeline, RankRole, group_roles
+from planner.simulation.ranks import LayoutTimeline, RankCoords, RankRole, group_roles
 from planner.simulation.step import simulate
 from planner.tracing.graph import OpGraph
 
-__all__ = ["is_tensor_parallel", "layout_timeline", "simulate_ranks", "trace_roles"]
+__all__ = ["is_tensor_parallel", "layout_timeline", "role_of", "simulate_ranks", "trace_roles"]
 
 
 def is_tensor_parallel(config: TrainConfig) -> bool:
@@ -40,9 +40,14 @@ def _check_supported(config: TrainConfig) -> None:
         raise MemplanError("--ep together with --tp is not simulated per rank yet; drop one of them")
 
 
-def _role_index(config: TrainConfig, coords) -> tuple[int, int]:
+def _role_index(config: TrainConfig, coords: RankCoords) -> tuple[int, int]:
     """The mesh indices that tell roles apart: (cp, EP's under expert parallel, else TP's)."""
     return coords.cp, coords.ep if config.ep > 1 else coords.tp
+
+
+def role_of(config: TrainConfig, keys: Mapping[tuple[int, int], tuple]) -> Callable[[RankCoords], tuple]:
+    """A rank's role key (as :func:`trace_roles` keys its graphs) from its mesh coordinates."""
+    return lambda coords: keys[_role_index(config, coords)]
 
 
 def trace_roles(spec: str, config: TrainConfig, lifetimes: bool = True) -> tuple[dict, dict[tuple, OpGraph]]:
@@ -94,11 +99,10 @@ def layout_timeline(
         timeline.config["model"] = spec
         timelines[key] = timeline
     roles = []
-    for group in group_roles(config, lambda c: keys[_role_index(config, c)]):
+    key_of = role_of(config, keys)
+    for group in group_roles(config, key_of):
         first = group[0]
-        roles.append(
-            RankRole(tuple(c.rank for c in group), first, (first.pp,), timelines[keys[_role_index(config, first)]])
-        )
+        roles.append(RankRole(tuple(c.rank for c in group), first, (first.pp,), timelines[key_of(first)]))
     return LayoutTimeline(config, tuple(roles))
 
 

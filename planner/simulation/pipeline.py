@@ -8,7 +8,7 @@ Ranks that share a pp coordinate (dp replicas, FSDP shards) share one role.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from costmodels.hardware import get_device
@@ -20,10 +20,10 @@ from planner.simulation.pipeline_schedule import PipelineSchedule, pipeline_sche
 from planner.simulation.pipeline_split import blocks_per_stage, cut_stages
 from planner.simulation.pipeline_step import replay_rank, stage_effects, stage_programs
 from planner.simulation.pipeline_time import PipelineTime, pipeline_time, stage_times
-from planner.simulation.ranks import LayoutTimeline, RankRole, group_roles
+from planner.simulation.ranks import LayoutTimeline, RankCoords, RankRole, group_roles
 from planner.tracing.graph import OpGraph
 
-__all__ = ["PipelineTimeline", "auto_split_path", "max_in_flight", "simulate_pipeline"]
+__all__ = ["PipelineTimeline", "auto_split_path", "max_in_flight", "simulate_pipeline", "simulate_pipeline_roles"]
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,17 @@ class PipelineTimeline:
     def worst(self) -> RankRole:
         return self.layout.worst
 
+    @property
+    def rank_peaks(self) -> list[int]:
+        """Per pp rank, the peak of its heaviest role (expert-parallel ranks of a stage can differ)."""
+        peaks = [0] * self.schedule.pp
+        for role in self.layout.roles:
+            peaks[role.coords.pp] = max(peaks[role.coords.pp], role.peak_bytes)
+        return peaks
+
     def to_dict(self, max_points: int = 2000) -> dict:
         out = self.layout.to_dict(max_points)
-        worst = self.layout.roles.index(self.worst)
+        per_rank = self.rank_peaks
         out["worst_stage"] = list(self.worst.stages)
         out["pipeline"] = {
             "schedule": self.schedule.name,
@@ -55,10 +63,11 @@ class PipelineTimeline:
             "microbatches": self.schedule.microbatches,
             "stages_per_rank": self.schedule.num_stages // self.schedule.pp,
             "blocks_per_stage": list(self.blocks_per_stage),
-            "worst_pp_rank": worst,
+            "worst_pp_rank": self.worst.coords.pp,
             "peak_actions": list(self.peak_actions),
             "in_flight": list(self.in_flight),
-            "first_last_ratio": self.layout.roles[0].peak_bytes / max(1, self.layout.roles[-1].peak_bytes),
+            "peak_bytes_per_pp_rank": per_rank,
+            "first_last_ratio": per_rank[0] / max(1, per_rank[-1]),
             **self.time.to_dict(),
         }
         return out
@@ -131,15 +140,15 @@ def auto_split_path(graph: OpGraph, config: TrainConfig) -> list[tuple[int, ...]
 
 
 def _check(graph: OpGraph, config: TrainConfig) -> None:
-    if config.cp > 1 or config.ep > 1:
-        raise MemplanError(
-            "pipeline parallel composes with --tp, --dp and --zero for now; use --cp and --ep 1 with --pp"
-        )
-    if graph.meta.get("tp", 1) != config.tp:
-        raise MemplanError(
-            f"the graph was traced at tensor-parallel degree {graph.meta.get('tp', 1)}, the config asks --tp {config.tp}; "
-            "trace one tensor-parallel rank (planner.tracing.parallel.rank_trace.trace_tp_rank)"
-        )
+    if config.cp > 1:
+        raise MemplanError("pipeline parallel composes with --tp, --ep, --dp and --zero for now; use --cp 1 with --pp")
+    for dim in ("tp", "ep"):
+        if graph.meta.get(dim, 1) != getattr(config, dim):
+            raise MemplanError(
+                f"the graph was traced at --{dim} {graph.meta.get(dim, 1)}, the config asks --{dim} "
+                f"{getattr(config, dim)}; trace one rank of the layout "
+                "(planner.tracing.parallel.rank_trace.trace_tp_rank)"
+            )
     if not graph.regions:
         raise MemplanError(
             "memplan found no blocks to cut into pipeline stages; name them with --blocks GLOB (e.g. 'layers.*')"
@@ -178,4 +187,48 @@ def simulate_pipeline(graph: OpGraph, config: TrainConfig, choices: Sequence[Spa
         time=timing,
         peak_actions=tuple(str(a) for _, a in replays),
         in_flight=tuple(max_in_flight(schedule, r) for r in range(schedule.pp)),
+    )
+
+
+def simulate_pipeline_roles(
+    graphs: Mapping[Hashable, OpGraph],
+    role_of: Callable[[RankCoords], Hashable],
+    config: TrainConfig,
+    choices: Mapping[Hashable, Sequence[SpanChoice]] | None = None,
+) -> PipelineTimeline:
+    """Every rank of a pipeline whose stage ranks differ: each distinct role's graph (the key
+    `role_of` gives a rank's coordinates; under expert parallel, EP indices whose experts receive
+    different rows) replayed under one split, the heaviest role's, each role under its own
+    `choices`. The step lasts as long as the slowest role's (the ranks of a stage wait for each
+    other in every collective); per pp rank, the peak action and in-flight count are its heaviest role's."""
+    choices = choices or {}
+    if len(graphs) == 1:
+        key, graph = next(iter(graphs.items()))
+        return simulate_pipeline(graph, config, choices.get(key, ()))
+    first = {key: simulate_pipeline(graph, config, choices.get(key, ())) for key, graph in graphs.items()}
+    heaviest = max(first, key=lambda key: first[key].peak_bytes)
+    counts = first[heaviest].blocks_per_stage
+    split = config.with_(pp_split=",".join(map(str, counts)))
+    results = {
+        key: r if r.blocks_per_stage == counts else simulate_pipeline(graphs[key], split, choices.get(key, ()))
+        for key, r in first.items()
+    }
+    pp = results[heaviest].schedule.pp
+    roles = tuple(
+        RankRole(
+            ranks=tuple(c.rank for c in group),
+            coords=group[0],
+            stages=results[role_of(group[0])].schedule.stages(group[0].pp),
+            timeline=results[role_of(group[0])].layout.roles[group[0].pp].timeline,
+        )
+        for group in group_roles(config, lambda c: (c.pp, role_of(c)))
+    )
+    worst_per_rank = [max(results.values(), key=lambda r: r.layout.roles[p].peak_bytes) for p in range(pp)]
+    return PipelineTimeline(
+        layout=LayoutTimeline(config, roles),
+        schedule=results[heaviest].schedule,
+        blocks_per_stage=counts,
+        time=max((r.time for r in results.values()), key=lambda t: t.step_s),
+        peak_actions=tuple(r.peak_actions[p] for p, r in enumerate(worst_per_rank)),
+        in_flight=tuple(r.in_flight[p] for p, r in enumerate(worst_per_rank)),
     )

@@ -90,8 +90,9 @@ class StageFsdp:
 
 def stage_fsdp(graph: OpGraph, config: TrainConfig, cut: StageCut, sizes: dict[int, int]) -> StageFsdp:
     """`cut`'s FSDP2 units; `sizes` are the programs' (sharded) storage bytes."""
-    units = fsdp_units(graph, config.dp)
-    blocks = units[cut.block_start : cut.block_end]
+    # the stage's FSDP2 units in post-forward order: its blocks (and, under expert parallel, the experts
+    # modules nested in them, each its own unit); the root comes last in fsdp_units
+    blocks = [u for u in fsdp_units(graph, config.dp)[:-1] if cut.fwd_start <= u.fwd_start < cut.fwd_end]
     traced_itemsize, reduce_itemsize = fsdp_itemsizes(graph, config)
     accumulate = max(1.0, reduce_itemsize / traced_itemsize)  # FSDP2 accumulates in the reduce dtype
     grad_at = np.zeros(cut.bwd_end - cut.bwd_start, dtype=np.int64)

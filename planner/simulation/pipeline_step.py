@@ -41,6 +41,7 @@ from planner.config import TrainConfig
 from planner.errors import MemplanError
 from planner.simulation.costs import StepCosts, op_times, storage_bytes
 from planner.simulation.effects import FREE, REPLAY, SAMPLE, ChoiceEffect, SpanChoice, choice_effect
+from planner.simulation.fsdp import state_shape
 from planner.simulation.memo import memo
 from planner.simulation.pipeline_fsdp import StageFsdp, StageFsdpState, stage_fsdp, unshard_plan
 from planner.simulation.pipeline_schedule import PipelineAction, PipelineSchedule
@@ -422,7 +423,7 @@ def _place(
             for s in sorted({int(stage_of[i]) for i in reads}):
                 (per_microbatch if t.category == "activation" else persistent)[s][_CAT[t.category]] += z
                 if t.category == "parameter":
-                    param_shapes[s].append(t.shape)
+                    param_shapes[s].append(state_shape(graph, t.id, config.zero_stage))
             continue
         a = t.alloc_op
         sa, a_bwd = int(stage_of[a]), bool(in_bwd[a])
