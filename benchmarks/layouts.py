@@ -17,7 +17,12 @@ per-replica share, not on dp). Meta's numbers are from "The Llama 3 Herd of Mode
 (seq 8192, CP 1); torchtitan's from torchtitan's train_configs/llama3_70b.toml and
 benchmarks/llama3_h100_202412_torchtitan.md (Table 5).
 
-llama-405b is searched up to 2048 GPUs (the search stops two doublings past the first GPU count
+DeepSeek-V3 is transformers' DeepseekV3Config at its defaults (671B: 61 layers, 256 routed experts
+top-8, MLA), on fake tensors: searched like the Llamas (expert parallel over each stage's
+data-parallel ranks, inside pipelines too), and evaluated as DeepSeek ran it (pp 16 x ep 64 on 2,048
+GPUs at seq 4096) against the throughput its report implies (180K H800 GPU-hours per trillion tokens).
+
+llama-405b and DeepSeek-V3 are searched up to 2048 GPUs (the search stops two doublings past the first GPU count
 that fits, so the cap does not bind). --quick: llama-70b only (its search, the claim and the
 torchtitan 70B recipe).
 
@@ -26,9 +31,12 @@ python -m benchmarks.layouts [--quick] [--out DIR]  (or python -m benchmarks --o
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 
 from benchmarks.common import Options, gb, pct, print_table, standalone_main
+from benchmarks.hot_path import _deepseek_config
 from costmodels.hardware import get_device
 from planner.analysis.layouts import Layout, search_layouts
 from planner.budgets import usable_bytes
@@ -37,20 +45,32 @@ from planner.config import TrainConfig
 GPU = "h100-80gb"
 RESERVE = 0.05
 SEQ_LEN = 8192
-MODELS = [("llama-70b", 512), ("llama-405b", 2048)]  # (model, max GPUs searched)
+MODELS = [("llama-70b", 512), ("llama-405b", 2048), ("deepseek-v3", 2048)]  # (model, max GPUs searched)
 QUICK = ("llama-70b",)
 CLAIM_MODEL, CLAIM_GPUS = "llama-70b", (8, 16)
 
-# Searches with pinned degrees for the published layouts:
-# key -> (model, tp, pp, micro-batch, global batch, max GPUs).
+# Searches with pinned degrees for the published layouts: key -> model, tp, pp, ep (default 1),
+# micro-batch, global batch, max GPUs, seq_len (default SEQ_LEN).
 PINNED = {
     # 64 sequences: 32 per replica at dp 2 (256 GPUs), 16 per replica at dp 4 (512 GPUs), as Meta's
     # 2,048 sequences over dp 64 and dp 128. tp 8 x pp 16 starts at 128 GPUs, so the search reaches 512.
-    "meta-405b": ("llama-405b", 8, 16, 1, 64, 512),
+    "meta-405b": {"model": "llama-405b", "tp": 8, "pp": 16, "micro": 1, "batch": 64, "max_gpus": 512},
     # local_batch_size 8 (one forward of 8 sequences, no accumulation) x FSDP 8 = 64 sequences on 64 GPUs.
-    "torchtitan-70b": ("llama-70b", 8, 1, 8, 64, 64),
+    "torchtitan-70b": {"model": "llama-70b", "tp": 8, "pp": 1, "micro": 8, "batch": 64, "max_gpus": 64},
     # local batch 32 (32 pipeline microbatches of 1, torchtitan's default microbatch size) x FSDP 8 = 256.
-    "torchtitan-405b": ("llama-405b", 8, 8, 1, 256, 512),
+    "torchtitan-405b": {"model": "llama-405b", "tp": 8, "pp": 8, "micro": 1, "batch": 256, "max_gpus": 512},
+    # DeepSeek-V3: PP 16 x EP 64 on 2,048 GPUs (dp 128), seq 4096; 16,384 sequences a step (128 per
+    # replica; DeepSeek ramped its batch to 15,360, which no whole round of 16 microbatches splits).
+    "deepseek-v3": {
+        "model": "deepseek-v3",
+        "tp": 1,
+        "pp": 16,
+        "ep": 64,
+        "micro": 1,
+        "batch": 16384,
+        "max_gpus": 2048,
+        "seq_len": 4096,
+    },
 }
 TT_BENCH = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 PUBLISHED = [
@@ -121,6 +141,22 @@ PUBLISHED = [
     },
 ]
 
+PUBLISHED.append(
+    {
+        "name": "DeepSeek-V3 (671B MoE) pre-training",
+        "source": "DeepSeek-V3 Technical Report, sections 3.1-3.3 and Table 1",
+        "published": "2048 H800s: pp16 ep64 (ZeRO-1 dp), DualPipe, seq 4096, FP8 matmuls, BF16 AdamW moments",
+        "published_gpus": 2048,
+        "gpus": 2048,
+        "schedule": "1f1b",
+        "recompute": None,
+        "published_mfu": None,  # not reported
+        # 180K H800 GPU-hours per trillion tokens (Table 1): 1e12 / (180e3 x 3600 s) tokens/s per GPU
+        "published_tokens_per_s_per_gpu": 1e12 / (180e3 * 3600),
+        "published_peak_gib": None,
+    }
+)
+
 NOTES = {
     "meta": (
         "memplan's MFU is the traced step's FLOPs (attention counted without the causal mask) over the step it "
@@ -134,6 +170,14 @@ NOTES = {
         "default and memplan's): at a local batch of 8 each rank's fp32 logits are 8 x 8192 x 16032 x 4 B = 3.9 GiB "
         "(31.3 GiB with --no-loss-parallel), and the loss backward sets the peak"
     ),
+    "deepseek-v3": (
+        "memplan times bf16 matmuls on H100 (DeepSeek: FP8 on H800, about twice the dense throughput), plain "
+        "1F1B with the uniform split (DeepSeek's DualPipe runs two directions at once, hides the dispatch and "
+        "combine all-to-alls under compute and balances its stages; torch's DualPipeV is simulated by memplan "
+        "simulate --pp but not searched), fp32 AdamW moments (DeepSeek's are BF16) and FSDP2 (ZeRO-3) where "
+        "DeepSeek shards only the optimizer; memplan's bubble is the schedule's own idle time at each stage's "
+        "predicted F and B times"
+    ),
     "torchtitan-405b": (
         "published on 96 GB HBM2e H100s at 500 W with Float8 matmuls, torch.compile and AsyncTP; memplan times bf16 "
         "on 80 GB H100s with exposed TP collectives; seq 8192 assumed (Table 5 does not state it; the 405B toml "
@@ -143,12 +187,17 @@ NOTES = {
 GAP = 0.2  # relative gap between predicted and published MFU or tokens/s that gets the note
 
 
-def _config(batch_size: int = 1, pp: int = 1, **kw) -> TrainConfig:
+def _config(batch_size: int = 1, pp: int = 1, seq_len: int = SEQ_LEN, **kw) -> TrainConfig:
     """The search's config: `batch_size` is the micro-batch; a pinned pp's microbatches are searched."""
     microbatches = 1 if pp > 1 else None
     return TrainConfig(
-        batch_size=batch_size, seq_len=SEQ_LEN, precision="bf16-mixed", gpu=GPU, pp=pp, microbatches=microbatches, **kw
+        batch_size=batch_size, seq_len=seq_len, precision="bf16-mixed", gpu=GPU, pp=pp, microbatches=microbatches, **kw
     )
+
+
+def _spec(model: str, folder: Path) -> str:
+    """A preset's name, or a transformers config written to `folder` (DeepSeek-V3 at its defaults)."""
+    return _deepseek_config(folder) if model == "deepseek-v3" else model
 
 
 def _budget() -> int:
@@ -203,9 +252,9 @@ def _fastest(layouts) -> Layout | None:
     return min(layouts, key=lambda x: x.peak_bytes) if layouts else None
 
 
-def _search_rows(model: str, max_gpus: int, budget: int) -> tuple[list[dict], object]:
+def _search_rows(model: str, spec: str, max_gpus: int, budget: int) -> tuple[list[dict], object]:
     t0 = time.perf_counter()
-    r = search_layouts(model, _config(), max_gpus=max_gpus, budget_bytes=budget)
+    r = search_layouts(spec, _config(), max_gpus=max_gpus, budget_bytes=budget)
     wall = time.perf_counter() - t0
     rows = [
         {
@@ -241,20 +290,22 @@ def _gap(predicted: float | None, published: float | None) -> float | None:
     return predicted / published if predicted is not None and published else None
 
 
-def _published_rows(opts: Options, budget: int) -> list[dict]:
-    entries = [e for e in PUBLISHED if PINNED[e["search"]][0] in (QUICK if opts.quick else [m for m, _ in MODELS])]
+def _published_rows(opts: Options, budget: int, folder: Path) -> list[dict]:
+    models = QUICK if opts.quick else [m for m, _ in MODELS]
+    entries = [e for e in PUBLISHED if PINNED[e["search"]]["model"] in models]
     if opts.models:
-        entries = [e for e in entries if PINNED[e["search"]][0] in opts.models]
+        entries = [e for e in entries if PINNED[e["search"]]["model"] in opts.models]
     searches: dict[str, tuple[object, float]] = {}
     rows = []
     for e in entries:
-        model, tp, pp, micro, batch, max_gpus = PINNED[e["search"]]
+        p = PINNED[e["search"]]
+        tp, pp, ep, micro, batch = p["tp"], p["pp"], p.get("ep", 1), p["micro"], p["batch"]
         if e["search"] not in searches:
             t0 = time.perf_counter()
             r = search_layouts(
-                model,
-                _config(batch_size=micro, tp=tp, pp=pp),
-                max_gpus=max_gpus,
+                _spec(p["model"], folder),
+                _config(batch_size=micro, tp=tp, pp=pp, ep=ep, dp=ep, seq_len=p.get("seq_len", SEQ_LEN)),
+                max_gpus=p["max_gpus"],
                 budget_bytes=budget,
                 global_batch=batch,
                 allow_offload=False,
@@ -265,7 +316,8 @@ def _published_rows(opts: Options, budget: int) -> list[dict]:
         shape = [
             x
             for x in r.layouts
-            if (x.gpus, x.tp, x.pp) == (e["gpus"], tp, pp) and (e["schedule"] is None or x.schedule == e["schedule"])
+            if (x.gpus, x.tp, x.pp, x.ep) == (e["gpus"], tp, pp, ep)
+            and (e["schedule"] is None or x.schedule == e["schedule"])
         ]
         dp = e["gpus"] // (tp * pp)
         exact = [
@@ -286,6 +338,7 @@ def _published_rows(opts: Options, budget: int) -> list[dict]:
             note.append("no simulated layout matches the published recompute and microbatches; memplan's nearest")
         gaps = [g for g in (mfu_ratio, tps_ratio) if g is not None and abs(g - 1) > GAP]
         key = "meta" if e["search"] == "meta-405b" else e["search"]
+        layout_label = f"tp{tp} pp{pp} dp{dp}" + (f" ep{ep}" if ep > 1 else "")
         if gaps or key != "meta":
             note.append(NOTES[key])
         rows.append(
@@ -295,7 +348,7 @@ def _published_rows(opts: Options, budget: int) -> list[dict]:
                 "source": e["source"],
                 "published": e["published"],
                 "published_gpus": e["published_gpus"],
-                "evaluated_as": f"{e['gpus']} GPUs: tp{tp} pp{pp} dp{dp}, {batch // dp} seqs/replica, micro-batch {micro}",
+                "evaluated_as": f"{e['gpus']} GPUs: {layout_label}, {batch // dp} seqs/replica, micro-batch {micro}",
                 "seqs_per_replica": batch // dp,
                 "micro_batch_size": micro,
                 "global_batch": batch,
@@ -316,12 +369,13 @@ def _published_rows(opts: Options, budget: int) -> list[dict]:
 def run(opts: Options) -> list[dict]:
     budget = _budget()
     rows: list[dict] = []
-    for model, max_gpus in opts.select(MODELS, QUICK):
-        search_rows, r = _search_rows(model, max_gpus, budget)
-        rows += search_rows
-        if model == CLAIM_MODEL:
-            rows += _claim_rows(r)
-    rows += _published_rows(opts, budget)
+    with tempfile.TemporaryDirectory() as tmp:
+        for model, max_gpus in opts.select(MODELS, QUICK):
+            search_rows, r = _search_rows(model, _spec(model, Path(tmp)), max_gpus, budget)
+            rows += search_rows
+            if model == CLAIM_MODEL:
+                rows += _claim_rows(r)
+        rows += _published_rows(opts, budget, Path(tmp))
     return rows
 
 

@@ -22,7 +22,7 @@ from planner.plans.identity import check_plan_matches
 from planner.runtime.apply import apply_plan
 from planner.runtime.verify import Measurement, measure_step
 from planner.simulation.layout import is_tensor_parallel, layout_timeline, role_of, simulate_ranks, trace_roles
-from planner.simulation.pipeline import PipelineTimeline, simulate_pipeline, simulate_pipeline_roles
+from planner.simulation.pipeline import PipelineTimeline, heaviest_role, simulate_pipeline_roles
 from planner.simulation.ranks import LayoutTimeline, RankCoords
 from planner.simulation.step import Timeline, simulate
 from planner.solver.baselines import check_strategy, strategy_choices
@@ -194,10 +194,9 @@ def plan_pipeline_model(
     same choices as one plan for all stages, replayed: PipelineEvaluation). `budget_bytes` may be a
     percentage of the worst rank's no-plan peak."""
     graphs, key_of = _pipeline_roles(spec, config)
-    peaks = {key: simulate_pipeline(graph, config).peak_bytes for key, graph in graphs.items()}
-    graph = graphs[max(peaks, key=peaks.__getitem__)]  # the heaviest role's plan holds for the others
+    graph = graphs[heaviest_role(graphs, config)]  # the heaviest role's plan is checked on the others
     if isinstance(budget_bytes, str):
-        budget_bytes = parse_budget(budget_bytes, max(peaks.values()))
+        budget_bytes = parse_budget(budget_bytes, simulate_pipeline_roles(graphs, key_of, config).peak_bytes)
     from planner.solver.pipeline_plans import (
         choices_of,
         evaluate_pipeline,

@@ -231,3 +231,20 @@ def test_a_mixture_of_experts_searches_expert_parallel(tmp_path, capsys):
     )
     assert code == 0, err
     assert json.loads(out.read_text())["peak_bytes"] == x.peak_bytes, x.flags()
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_searches_expert_parallel_inside_pipelines(tmp_path, capsys):
+    """EP borrows each stage's data-parallel ranks: a 4-layer Mixtral's layouts include pp 2 × ep 2,
+    and such a layout's flags simulate to its peak through the CLI, to the byte."""
+    config = json.loads((Path(MIXTRAL[3:])).read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4}))
+    spec = f"hf:{tmp_path / 'config.json'}"
+    found = search_layouts(spec, TrainConfig(batch_size=2, seq_len=64), max_gpus=4, budget_bytes=2**30, global_batch=16)
+    both = [x for x in found.layouts if x.pp > 1 and x.ep > 1]
+    assert both and all(x.dp % x.ep == 0 for x in both)
+    x = max(both, key=lambda x: x.peak_bytes)
+    out = tmp_path / "rank.json"
+    code, _, err = run(["simulate", "--model", spec, "--seq-len", "64", *x.flags().split(), "--json", str(out)], capsys)
+    assert code == 0, err
+    assert json.loads(out.read_text())["peak_bytes"] == x.peak_bytes, x.flags()

@@ -389,9 +389,9 @@ def repeated(step: StepTime, times: int) -> StepTime:
 
 def _expert_degrees(search: _Search, gpus: int, fixed: TrainConfig) -> list[int]:
     """Expert-parallel degrees above 1 for a mixture-of-experts model: powers of two dividing its
-    experts and the data-parallel ranks (tp and pp 1: memplan composes EP with FSDP2 only)."""
+    experts, up to the GPU count (tp 1: memplan composes EP with FSDP2 and pipelines, not with TP)."""
     experts = search.graphs[(1, 1, 1)].meta.get("moe", {}).get("experts", 0)
-    if not experts or fixed.tp > 1 or fixed.pp > 1 or search.global_batch % (gpus * search.base.batch_size):
+    if not experts or fixed.tp > 1:
         return []
     degrees = [ep for ep in _powers_of_two(min(gpus, experts))[1:] if experts % ep == 0]
     return [ep for ep in degrees if fixed.ep in (1, ep) and search.expert_graph(ep) is not None]
@@ -421,10 +421,18 @@ def _context_degrees(search: _Search, gpus: int, gpus_per_node: int, fixed: Trai
 def _shapes(
     search: _Search, gpus: int, gpus_per_node: int, fixed: TrainConfig
 ) -> list[tuple[int, int, int, int, str | None, int]]:
-    """(tp, ep, cp, pp, schedule, stages per rank) that tile `gpus` and split the global batch evenly."""
-    out = [(1, ep, 1, 1, None, 1) for ep in _expert_degrees(search, gpus, fixed)]
+    """(tp, ep, cp, pp, schedule, stages per rank) that tile `gpus` and split the global batch evenly;
+    expert parallel borrows its ranks from each stage's data-parallel ones."""
+    out = []
+    degrees = _expert_degrees(search, gpus, fixed)
+    for ep in degrees:
+        blocks = len(search.graphs[(1, ep, 1)].regions)
+        for pp in _powers_of_two(gpus // ep):
+            # inside a pipeline only the largest degree a stage's dp ranks hold: the fewest experts per rank
+            largest = max(d for d in degrees if (gpus // pp) % d == 0)
+            if fixed.pp in (1, pp) and (gpus // pp) % ep == 0 and (pp == 1 or ep == largest):
+                out += [(1, ep, 1, *p) for p in _pipelines(search, gpus // pp, pp, blocks)]
     out += [(tp, 1, cp, 1, None, 1) for tp, cp in _context_degrees(search, gpus, gpus_per_node, fixed)]
-    b, batch = search.base.batch_size, search.global_batch
     for tp in TENSOR_PARALLEL:
         if fixed.ep > 1 or fixed.cp > 1:
             break
@@ -433,21 +441,23 @@ def _shapes(
         graph = search.graph(tp)
         if graph is None:
             continue
-        blocks = len(graph.regions)
         for pp in _powers_of_two(gpus // tp):
-            if fixed.pp > 1 and pp != fixed.pp:
-                continue
-            dp = gpus // (tp * pp)
-            if batch % (dp * b):
-                continue
-            m = batch // (dp * b)
-            if pp == 1:
-                out.append((tp, 1, 1, 1, None, 1))
-                continue
-            for schedule, v in SCHEDULES:
-                if blocks >= 2 * pp * v and m % (pp * v) == 0:  # at least two blocks a stage, whole rounds
-                    out.append((tp, 1, 1, pp, schedule, v))
+            if fixed.pp in (1, pp):
+                out += [(tp, 1, 1, *p) for p in _pipelines(search, gpus // (tp * pp), pp, len(graph.regions))]
     return out
+
+
+def _pipelines(search: _Search, dp: int, pp: int, blocks: int) -> list[tuple[int, str | None, int]]:
+    """(pp, schedule, stages per rank) with `dp` replicas splitting the global batch evenly: no
+    pipeline for pp 1; otherwise each schedule with at least two blocks a stage and whole rounds of
+    microbatches."""
+    batch = search.global_batch
+    if batch % (dp * search.base.batch_size):
+        return []
+    if pp == 1:
+        return [(1, None, 1)]
+    m = batch // (dp * search.base.batch_size)
+    return [(pp, s, v) for s, v in SCHEDULES if blocks >= 2 * pp * v and m % (pp * v) == 0]
 
 
 MICROBATCH_ROUNDS = (4, 2, 1)  # microbatches per pipeline step tried, in rounds of pp · stages_per_rank
@@ -561,8 +571,8 @@ def search_layouts(
 ) -> LayoutSearch:
     """Search layouts of `config`'s step on up to `max_gpus` GPUs of `config.gpu` (see the module
     docstring); `config.tp` / `config.pp` / `config.ep` above 1 pin those degrees (expert parallel
-    is tried for a mixture-of-experts model, with FSDP2 and without tp or pp); `allow_offload` / `allow_8bit`
-    let it try host offload and 8-bit AdamW states."""
+    is tried for a mixture-of-experts model, with FSDP2 and pipelines, without tp); `allow_offload` /
+    `allow_8bit` let it try host offload and 8-bit AdamW states."""
     started = time.perf_counter()
     device = get_device(config.gpu)
     per_node = gpus_per_node or device.gpus_per_node

@@ -23,7 +23,14 @@ from planner.simulation.pipeline_time import PipelineTime, pipeline_time, stage_
 from planner.simulation.ranks import LayoutTimeline, RankCoords, RankRole, group_roles
 from planner.tracing.graph import OpGraph
 
-__all__ = ["PipelineTimeline", "auto_split_path", "max_in_flight", "simulate_pipeline", "simulate_pipeline_roles"]
+__all__ = [
+    "PipelineTimeline",
+    "auto_split_path",
+    "heaviest_role",
+    "max_in_flight",
+    "simulate_pipeline",
+    "simulate_pipeline_roles",
+]
 
 
 @dataclass(frozen=True)
@@ -190,6 +197,18 @@ def simulate_pipeline(graph: OpGraph, config: TrainConfig, choices: Sequence[Spa
     )
 
 
+def heaviest_role(
+    graphs: Mapping[Hashable, OpGraph],
+    config: TrainConfig,
+    choices: Mapping[Hashable, Sequence[SpanChoice]] | None = None,
+) -> Hashable:
+    """The role whose pipeline peaks highest, each replayed at the config's split (``auto``: at the
+    uniform one, where the roles' splits would differ)."""
+    probe = config.with_(pp_split="uniform") if config.pp_split.strip() == "auto" else config
+    peaks = {key: simulate_pipeline(g, probe, (choices or {}).get(key, ())).peak_bytes for key, g in graphs.items()}
+    return max(peaks, key=peaks.__getitem__)
+
+
 def simulate_pipeline_roles(
     graphs: Mapping[Hashable, OpGraph],
     role_of: Callable[[RankCoords], Hashable],
@@ -205,13 +224,13 @@ def simulate_pipeline_roles(
     if len(graphs) == 1:
         key, graph = next(iter(graphs.items()))
         return simulate_pipeline(graph, config, choices.get(key, ()))
-    first = {key: simulate_pipeline(graph, config, choices.get(key, ())) for key, graph in graphs.items()}
-    heaviest = max(first, key=lambda key: first[key].peak_bytes)
-    counts = first[heaviest].blocks_per_stage
+    heaviest = heaviest_role(graphs, config, choices)
+    first = simulate_pipeline(graphs[heaviest], config, choices.get(heaviest, ()))
+    counts = first.blocks_per_stage
     split = config.with_(pp_split=",".join(map(str, counts)))
     results = {
-        key: r if r.blocks_per_stage == counts else simulate_pipeline(graphs[key], split, choices.get(key, ()))
-        for key, r in first.items()
+        key: first if key == heaviest else simulate_pipeline(graph, split, choices.get(key, ()))
+        for key, graph in graphs.items()
     }
     pp = results[heaviest].schedule.pp
     roles = tuple(
