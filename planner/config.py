@@ -216,8 +216,6 @@ class TrainConfig:
                 f"--seq-len {self.seq_len} does not split into --cp {self.cp} equal shards; use a multiple of "
                 f"{2 * self.cp} (context parallel's load balancing cuts the sequence into 2·cp chunks)"
             )
-        if self.pp > 1:
-            raise ValueError("--cp with --pp is not simulated yet; drop --cp or --pp")
         if self.compile:
             raise ValueError(
                 "--cp under --compile is not simulated (context parallel traces eager ring attention); drop one"

@@ -90,7 +90,6 @@ def test_blocks_glob_and_bad_trace_options_are_one_line(tmp_path, capsys):
 def test_layouts_memplan_does_not_model_are_refused_in_one_line(capsys):
     base = ["--model", "gpt2-tiny", "--batch-size", "2", "--seq-len", "32"]
     cases = [
-        (["simulate", *base, "--cp", "2", "--pp", "2"], "--cp with --pp"),
         (["plan", *base, "--ep", "2", "--dp", "2", "--out", "unused.json"], "--ep"),
         (["fit", *base, "--tp", "2", "--gpus", "8"], "--gpus"),
         (["diagnose", *base, "--pp", "2"], "memplan simulate --pp 2"),

@@ -165,7 +165,6 @@ def test_cli_json_lists_every_cp_rank_and_names_the_worst(capsys, tmp_path):
         ),
         (["simulate", "--model", "mlp-tiny", "--seq-len", "16", "--cp", "2"], ("scaled_dot_product_attention",)),
         (["simulate", "--model", "kwargs-tiny", "--seq-len", "64", "--cp", "2"], ("no attn_mask", "is_causal=True")),
-        (["simulate", "--model", "llama-7b-tiny", "--seq-len", "64", "--cp", "2", "--pp", "2"], ("--cp with --pp",)),
         (
             [
                 "plan",
@@ -188,6 +187,25 @@ def test_cli_json_lists_every_cp_rank_and_names_the_worst(capsys, tmp_path):
 def test_cp_errors_are_one_line(capsys, argv, needles):
     code, _, err = run([argv[0], "--gpu", "cpu", *argv[1:]], capsys)
     assert_user_error(code, err, argv[0], *needles)
+    assert not dist.is_initialized()
+
+
+def test_pipeline_stages_under_context_parallel():
+    """--pp 2 --cp 2 --dp 2 --zero 3: each stage is cut from every cp index's trace (a role per (pp
+    rank, cp index)); FSDP2 shards over dp × cp, so each rank holds the states of 4-way data
+    parallel, and each cp rank keeps about half the activations of a whole sequence."""
+    from planner.api import simulate_pipeline_model
+
+    base = {"batch_size": 4, "seq_len": 64, "pp": 2, "microbatches": 2, "zero_stage": 3, "gpu": "cpu"}
+    cp = simulate_pipeline_model("llama-7b-tiny", TrainConfig(**base, dp=2, cp=2)).layout
+    dp = simulate_pipeline_model("llama-7b-tiny", TrainConfig(**base, dp=4)).layout
+    assert [(r.coords.pp, r.coords.cp) for r in cp.roles] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [r.ranks for r in cp.roles] == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    for role in cp.roles:
+        whole = dp.roles[role.coords.pp].timeline
+        assert role.timeline.model_states == whole.model_states
+        activations = role.timeline.breakdown_at_peak["activation"]
+        assert 0.3 < activations / whole.breakdown_at_peak["activation"] < 0.7
     assert not dist.is_initialized()
 
 
@@ -294,3 +312,20 @@ def test_fit_searches_context_parallel_layouts(capsys, tmp_path):
     code, _, err = run(["simulate", *argv[1:], *flags, "--json", str(sim)], capsys)
     assert code == 0, err
     assert json.loads(sim.read_text())["peak_bytes"] == best["peak_bytes"]
+
+
+@pytest.mark.slow
+def test_fit_searches_context_parallel_inside_pipelines(capsys, tmp_path):
+    """`fit --cp 2 --pp 2`: context parallel stages, FSDP2 over dp × cp; the flags of the heaviest
+    layout simulate every rank to its peak, to the byte."""
+    from planner.analysis.layouts import search_layouts
+
+    config = TrainConfig(batch_size=1, seq_len=256, precision="bf16-mixed", gpu="h100-80gb", cp=2, pp=2, microbatches=1)
+    found = search_layouts("llama-70b-tiny", config, max_gpus=16, budget_bytes=2**30, global_batch=16)
+    assert found.layouts and all(x.cp == 2 and x.pp == 2 for x in found.layouts)
+    x = max(found.layouts, key=lambda x: x.peak_bytes)
+    out = tmp_path / "rank.json"
+    argv = ["simulate", "--model", "llama-70b-tiny", "--seq-len", "256", "--precision", "bf16-mixed"]
+    code, _, err = run([*argv, "--gpu", "h100-80gb", *x.flags().split(), "--json", str(out)], capsys)
+    assert code == 0, err
+    assert json.loads(out.read_text())["peak_bytes"] == x.peak_bytes, x.flags()

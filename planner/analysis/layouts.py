@@ -401,18 +401,16 @@ def _context_degrees(search: _Search, gpus: int, gpus_per_node: int, fixed: Trai
     """(tp, cp) with context parallel above 1: the pinned --cp, else, from
     CONTEXT_PARALLEL_FROM_SEQ_LEN tokens a sequence, powers of two whose 2·cp chunks split the
     sequence; with the largest tensor-parallel degree in a node under which the model traces with
-    context parallel (FSDP2 over the rest, no pp)."""
-    if fixed.pp > 1 or fixed.ep > 1 or (fixed.cp == 1 and search.base.seq_len < CONTEXT_PARALLEL_FROM_SEQ_LEN):
+    context parallel (FSDP2 over the rest)."""
+    if fixed.ep > 1 or (fixed.cp == 1 and search.base.seq_len < CONTEXT_PARALLEL_FROM_SEQ_LEN):
         return []
     tps = [tp for tp in TENSOR_PARALLEL if tp <= min(gpus, gpus_per_node) and fixed.tp in (1, tp)]
     for tp in reversed([tp for tp in tps if search.graph(tp) is not None]):
-        out = []
-        for cp in _powers_of_two(gpus // tp)[1:]:
-            dp = gpus // (tp * cp)
-            if fixed.cp not in (1, cp) or search.base.seq_len % (2 * cp):
-                continue
-            if search.global_batch % (dp * search.base.batch_size) == 0 and search.context_graph(tp, cp) is not None:
-                out.append((tp, cp))
+        out = [
+            (tp, cp)
+            for cp in _powers_of_two(gpus // tp)[1:]
+            if fixed.cp in (1, cp) and search.base.seq_len % (2 * cp) == 0 and search.context_graph(tp, cp) is not None
+        ]
         if out:
             return out
     return []
@@ -432,7 +430,11 @@ def _shapes(
             largest = max(d for d in degrees if (gpus // pp) % d == 0)
             if fixed.pp in (1, pp) and (gpus // pp) % ep == 0 and (pp == 1 or ep == largest):
                 out += [(1, ep, 1, *p) for p in _pipelines(search, gpus // pp, pp, blocks)]
-    out += [(tp, 1, cp, 1, None, 1) for tp, cp in _context_degrees(search, gpus, gpus_per_node, fixed)]
+    for tp, cp in _context_degrees(search, gpus, gpus_per_node, fixed):
+        blocks = len(search.graphs[(tp, 1, cp)].regions)
+        for pp in _powers_of_two(gpus // (tp * cp)):
+            if fixed.pp in (1, pp):
+                out += [(tp, 1, cp, *p) for p in _pipelines(search, gpus // (tp * cp * pp), pp, blocks)]
     for tp in TENSOR_PARALLEL:
         if fixed.ep > 1 or fixed.cp > 1:
             break

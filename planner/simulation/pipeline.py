@@ -147,9 +147,7 @@ def auto_split_path(graph: OpGraph, config: TrainConfig) -> list[tuple[int, ...]
 
 
 def _check(graph: OpGraph, config: TrainConfig) -> None:
-    if config.cp > 1:
-        raise MemplanError("pipeline parallel composes with --tp, --ep, --dp and --zero for now; use --cp 1 with --pp")
-    for dim in ("tp", "ep"):
+    for dim in ("tp", "ep", "cp"):
         if graph.meta.get(dim, 1) != getattr(config, dim):
             raise MemplanError(
                 f"the graph was traced at --{dim} {graph.meta.get(dim, 1)}, the config asks --{dim} "

@@ -92,7 +92,7 @@ def stage_fsdp(graph: OpGraph, config: TrainConfig, cut: StageCut, sizes: dict[i
     """`cut`'s FSDP2 units; `sizes` are the programs' (sharded) storage bytes."""
     # the stage's FSDP2 units in post-forward order: its blocks (and, under expert parallel, the experts
     # modules nested in them, each its own unit); the root comes last in fsdp_units
-    blocks = [u for u in fsdp_units(graph, config.dp)[:-1] if cut.fwd_start <= u.fwd_start < cut.fwd_end]
+    blocks = [u for u in fsdp_units(graph, config.shard_ranks)[:-1] if cut.fwd_start <= u.fwd_start < cut.fwd_end]
     traced_itemsize, reduce_itemsize = fsdp_itemsizes(graph, config)
     accumulate = max(1.0, reduce_itemsize / traced_itemsize)  # FSDP2 accumulates in the reduce dtype
     grad_at = np.zeros(cut.bwd_end - cut.bwd_start, dtype=np.int64)
@@ -100,7 +100,7 @@ def stage_fsdp(graph: OpGraph, config: TrainConfig, cut: StageCut, sizes: dict[i
         a = t.alloc_op
         if t.category == "gradient" and t.free_op is None and cut.bwd_start <= a < cut.bwd_end:
             grad_at[a - cut.bwd_start] += int(t.nbytes * accumulate) - sizes[t.id]
-    root = _root_bytes(graph, config.dp, cut)
+    root = _root_bytes(graph, config.shard_ranks, cut)
     return StageFsdp(
         cut=cut,
         block_bytes=tuple(u.param_bytes for u in blocks),

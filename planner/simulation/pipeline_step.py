@@ -304,7 +304,7 @@ def stage_programs(
     out = []
     precision = get_precision(config.precision)
     foreach = get_device(config.gpu).is_cuda
-    sharded = config.zero_stage >= 3 and config.dp > 1
+    sharded = config.zero_stage >= 3 and config.shard_ranks > 1
     sizes = _context(graph, config, cuts).sizes if sharded else {}
     for c in cuts:
         fsdp = (
@@ -313,7 +313,9 @@ def stage_programs(
             else None
         )
         shapes = placed.param_shapes[c.index]
-        states = model_state_bytes(shapes, precision, config.optimizer, config.zero_stage, config.dp, foreach=foreach)
+        states = model_state_bytes(
+            shapes, precision, config.optimizer, config.zero_stage, config.shard_ranks, foreach=foreach
+        )
         out.append(
             StageMemory(
                 index=c.index,
@@ -669,7 +671,7 @@ def replay_rank(
         get_precision(config.precision),
         config.optimizer,
         config.zero_stage,
-        config.dp,
+        config.shard_ranks,
         foreach=get_device(config.gpu).is_cuda,
     )
     timeline = Timeline(

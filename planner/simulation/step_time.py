@@ -125,7 +125,7 @@ def pipeline_step_time(
         recompute[e.stage] += e.effect.recompute_s
     gathered_itemsize, reduce_itemsize = fsdp_itemsizes(graph, config)
     params = _stage_parameter_bytes(graph, cuts)
-    stride = config.cp * config.tp
+    shard_ranks, stride = config.shard_ranks, config.tp  # FSDP2 over dp × cp (torchtitan's dp_shard_cp)
     timing, schedule = pipeline.time, pipeline.schedule
     worst: StepTime | None = None
     for r in range(schedule.pp):
@@ -133,10 +133,10 @@ def pipeline_step_time(
         comm = sum(collective[a.kind][a.stage] for a in actions)
         rec = sum(recompute[a.stage] for a in actions if a.kind == "B")
         stages = schedule.stages(r)
-        gather = sum(collective_time_s(params[s], config.dp, device, stride) for s in stages)
+        gather = sum(collective_time_s(params[s], shard_ranks, device, stride) for s in stages)
         reduce = gather * reduce_itemsize / gathered_itemsize
         fsdp = 0.0
-        if config.dp > 1 and config.zero_stage == 3:
+        if shard_ranks > 1 and config.zero_stage == 3:
             hidden_start = timing.first_start_s[r] if timing.first_start_s else 0.0
             hidden_end = timing.step_s - timing.last_end_s[r] if timing.last_end_s else 0.0
             fsdp = max(0.0, gather - hidden_start) + max(0.0, reduce - hidden_end)
