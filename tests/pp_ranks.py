@@ -129,6 +129,19 @@ def titan_moe(batch_size: int, seq_len: int):
     return build(batch_size, seq_len)
 
 
+def hf_mixtral(batch_size: int, seq_len: int):
+    """transformers MixtralForCausalLM from tests/data/tiny_mixtral with 4 layers (4 experts top-2, hidden 64)."""
+    import json
+    from pathlib import Path
+
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = json.loads((Path(PATH).parent / "data" / "tiny_mixtral" / "config.json").read_text())
+    config = MixtralConfig(**{**config, "num_hidden_layers": 4, "use_cache": False})
+    ids, labels = _tokens(batch_size, seq_len)
+    return MixtralForCausalLM(config), {"input_ids": ids, "labels": labels}
+
+
 def _moe_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
@@ -144,7 +157,7 @@ def _hf_loss(vocab_size: int):
 
 def _stage_modules(builder: str, model, counts: list[int], stage_ids: list[int]):
     firsts = [sum(counts[:k]) for k in range(len(counts))]
-    cls = {"hf_llama": HFStage, "titan_moe": MoEStage}.get(builder, TitanStage)
+    cls = {"hf_llama": HFStage, "hf_mixtral": HFStage, "titan_moe": MoEStage}.get(builder, TitanStage)
     last = len(counts) - 1
     return [cls(model, firsts[s], firsts[s] + counts[s], s == 0, s == last) for s in stage_ids]
 
@@ -172,7 +185,7 @@ def measure_case(rank: int, builder: str, config, counts: list[int], steps: int,
         from planner.runtime.parallel_verify import LocalBytesTracker
         from planner.runtime.shard import ShardedBytesTracker, fsdp_kwargs
 
-        shape, names = (config.pp, config.dp // config.ep, config.ep), ("pp", "edp", "ep")
+        shape, names = (config.pp, config.dp // config.ep, config.ep, 1), ("pp", "edp", "ep", "tp")
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         dp_mesh = mesh["edp", "ep"]._flatten("dp")
         pp_rank, group = rank // config.dp, mesh["pp"].get_group()
@@ -183,7 +196,7 @@ def measure_case(rank: int, builder: str, config, counts: list[int], steps: int,
 
         from planner.tracing.parallel.ep_plans import resolve_ep_plan
 
-        resolve_ep_plan(config.ep_plan)(model, mesh["ep"], None)
+        resolve_ep_plan(config.ep_plan)(model, mesh["ep"], mesh["tp"])  # the tp ranks hold the same batch
         experts = sorted({n.rpartition(".")[0] for n, p in model.named_parameters() if isinstance(p, DTensor)})
     stage_ids = list(stages_of_rank(pp_rank, config.pp, v, config.pp_schedule))
     modules = _stage_modules(builder, model, counts, stage_ids)
@@ -199,16 +212,16 @@ def measure_case(rank: int, builder: str, config, counts: list[int], steps: int,
 
         kwargs = {**fsdp_kwargs(config), "mesh": dp_mesh}
         for m in modules:
+            inside = set(m.modules())
             for path in experts:  # torchtitan: the experts over the dp / ep ranks holding the same ones, first
-                if path.split(".")[1] in m.layers:
+                if model.get_submodule(path) in inside:
                     fully_shard(model.get_submodule(path), **{**kwargs, "mesh": mesh["edp"]})
             for layer in m.layers.values():
                 fully_shard(layer, **kwargs)
             fully_shard(m, **kwargs)
     stages = [PipelineStage(m, s, num_stages, torch.device("cpu"), group=group) for m, s in zip(modules, stage_ids)]
-    loss_fn = {"hf_llama": lambda: _hf_loss(model.config.vocab_size), "titan_moe": lambda: _moe_loss}.get(
-        builder, lambda: lm_loss
-    )()
+    hf = lambda: _hf_loss(model.config.vocab_size)  # noqa: E731
+    loss_fn = {"hf_llama": hf, "hf_mixtral": hf, "titan_moe": lambda: _moe_loss}.get(builder, lambda: lm_loss)()
     cls = getattr(schedules, PP_SCHEDULES[config.pp_schedule])
     multi = not issubclass(cls, schedules.PipelineScheduleSingle)
     sched = cls(stages if multi else stages[0], config.num_microbatches, loss_fn=loss_fn)

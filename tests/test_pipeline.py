@@ -333,26 +333,28 @@ def test_expert_parallel_stages_are_one_role_per_pp_rank_and_ep_role():
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_expert_parallel_stages_match_gloo_ranks(tmp_path):
+@pytest.mark.parametrize("builder", ["titan_moe", "hf_mixtral"])
+def test_expert_parallel_stages_match_gloo_ranks(tmp_path, builder):
     """--pp 2 --dp 2 --ep 2 on 4 gloo ranks (mesh [pp, dp], the experts sharded over the dp ranks of
     each stage, then FSDP2 as torchtitan): every rank within 1% of the measured peak (measured: within
     64 B); a plan per stage, made on the busiest EP role, keeps every rank within its budget and 3% of
     its prediction, as the pipeline plans of tests/test_pipeline_plans.py (measured: the busiest
-    rank 1.8% above, in its recompute; the others to the byte)."""
+    rank 1.8% above, in its recompute; the others to the byte). On the torchtitan-style MoE decoder
+    and transformers' Mixtral (its own EP plan)."""
     import pp_ranks as P
 
     from planner.api import plan_pipeline_model, simulate_pipeline_model
 
-    spec = f"{P.PATH}:titan_moe"
+    spec, split = f"{P.PATH}:{builder}", [1, 1] if builder == "titan_moe" else [2, 2]
     configs = {
         "gpipe-fsdp2": _moe_config(pp_schedule="gpipe", zero_stage=3, reshard_after_forward=False),
         "1f1b-fsdp2": _moe_config(pp_schedule="1f1b", zero_stage=3, reshard_after_forward=False),
         "1f1b": _moe_config(pp_schedule="1f1b"),
     }
-    cases = [P.case(key, "titan_moe", c, [1, 1]) for key, c in configs.items()]
+    cases = [P.case(key, builder, c, split) for key, c in configs.items()]
     predicted = {key: _by_rank(simulate_pipeline_model(spec, c).layout) for key, c in configs.items()}
     plan, plans, _ = plan_pipeline_model(spec, configs["1f1b-fsdp2"], "90%")
-    cases.append(P.case("planned", "titan_moe", configs["1f1b-fsdp2"], [1, 1], plans=plans.to_dict()))
+    cases.append(P.case("planned", builder, configs["1f1b-fsdp2"], split, plans=plans.to_dict()))
     predicted["planned"] = _by_rank(simulate_pipeline_model(spec, configs["1f1b-fsdp2"], plans).layout)
     measured = P.run_on_ranks(cases, str(tmp_path), timeout_s=500, world_size=4)
     for key in configs:
