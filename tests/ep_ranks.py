@@ -18,6 +18,8 @@ from torch.distributed.tensor import DTensor
 from planner import load_plan
 from planner.runtime.parallel_verify import build_parallel_model, measure_parallel_step, run_on_gloo_ranks
 from planner.runtime.routing import assumed_routing
+from planner.tracing.parallel.ep_plans import is_expert_param
+from planner.tracing.parallel.tp_plans import step_context
 from planner.tracing.recorder import loss_of, run_step_inputs
 from planner.tracing.specs import resolve_spec
 
@@ -30,11 +32,12 @@ def _grad_error(spec: str, config, sharded, inputs) -> float:
     ref, _ = resolve_spec(spec).build(batch_size=config.batch_size, seq_len=config.seq_len)
     with assumed_routing(config.moe_imbalance):
         loss_of(run_step_inputs(ref, inputs)).backward()
-        loss_of(run_step_inputs(sharded, inputs)).backward()
+        with step_context(config):  # vocabulary-sharded logits under tensor parallel's loss parallel
+            loss_of(run_step_inputs(sharded, inputs)).backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     worst = 0.0
     for name, p in sharded.named_parameters():
-        expert = isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
+        expert = is_expert_param(p)
         got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         want = ref_grads[name] * (config.ep if expert else 1)
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()) + 1e-12):

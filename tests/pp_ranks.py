@@ -192,12 +192,10 @@ def measure_case(rank: int, builder: str, config, counts: list[int], steps: int,
         tracker_cls = LocalBytesTracker if config.ep > 1 else ShardedBytesTracker
     experts: list[str] = []
     if config.ep > 1:  # the experts sharded over ep before the stages are cut (they share the modules)
-        from torch.distributed.tensor import DTensor
+        from planner.tracing.parallel.ep_plans import expert_paths, resolve_ep_plan
 
-        from planner.tracing.parallel.ep_plans import resolve_ep_plan
-
-        resolve_ep_plan(config.ep_plan)(model, mesh["ep"], mesh["tp"])  # the tp ranks hold the same batch
-        experts = sorted({n.rpartition(".")[0] for n, p in model.named_parameters() if isinstance(p, DTensor)})
+        resolve_ep_plan(config.ep_plan)(model, mesh["edp", "ep", "tp"])
+        experts = expert_paths(model)
     stage_ids = list(stages_of_rank(pp_rank, config.pp, v, config.pp_schedule))
     modules = _stage_modules(builder, model, counts, stage_ids)
     if plans is not None:

@@ -37,7 +37,7 @@ from planner.runtime.verify import Measurement
 from planner.tracing.blocks import find_region_paths
 from planner.tracing.hf import disable_kv_cache
 from planner.tracing.parallel.context_parallel import context_parallel_step
-from planner.tracing.parallel.ep_plans import resolve_ep_plan
+from planner.tracing.parallel.ep_plans import expert_paths, resolve_ep_plan
 from planner.tracing.parallel.rank_trace import ep_mesh
 from planner.tracing.parallel.tp_plans import tp_plan_for
 from planner.tracing.specs import resolve_spec
@@ -90,8 +90,8 @@ def build_parallel_model(spec: str, config: TrainConfig, plan=None, seed: int = 
     experts = []
     if config.ep > 1:
         sparse = ep_mesh(config)
-        resolve_ep_plan(config.ep_plan)(model, sparse["ep"], sparse["tp"])
-        experts = sorted({n.rpartition(".")[0] for n, p in model.named_parameters() if isinstance(p, DTensor)})
+        resolve_ep_plan(config.ep_plan)(model, sparse)
+        experts = expert_paths(model)
     if plan is not None:
         apply_plan(model, plan)
     if config.shard_ranks > 1 and config.zero_stage == 3:

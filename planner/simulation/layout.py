@@ -36,8 +36,6 @@ def _check_supported(config: TrainConfig) -> None:
             f"--pp {config.pp} is not simulated per rank together with --tp, --cp or --ep here; "
             "simulate the pipeline with memplan simulate --pp (with --tp)"
         )
-    if config.ep > 1 and config.tp > 1:
-        raise MemplanError("--ep together with --tp is not simulated per rank yet; drop one of them")
 
 
 def _role_index(config: TrainConfig, coords: RankCoords) -> tuple[int, int]:

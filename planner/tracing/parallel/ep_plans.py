@@ -9,9 +9,13 @@
   replicated.
 - ``PATH.py:FUNC`` / ``package.module:FUNC``: the user's ``FUNC(model, ep_mesh)``.
 
-A resolved plan is called ``plan(model, ep_mesh, tp_mesh)`` (the TP mesh: the ranks that hold the
-same batch, which transformers' dispatch needs); the same one runs on the fake-tensor model of a
-trace and on the real model of a verification run.
+Under tensor parallel (memplan's auto plan on torchtitan-style experts) each rank's experts are
+also sharded over the TP ranks, as torchtitan's ``ExpertTensorParallel``: EP over the ``ep``
+dimension, the hidden dimension of every expert over ``tp``.
+
+A resolved plan is called ``plan(model, mesh)`` with the ``[edp, ep, tp]`` mesh of expert parallel
+(the TP dimension: the ranks that hold the same batch, which transformers' dispatch needs); the
+same one runs on the fake-tensor model of a trace and on the real model of a verification run.
 """
 
 from __future__ import annotations
@@ -26,13 +30,23 @@ from planner.errors import SpecError
 from planner.tracing.parallel.expert_parallel import ExpertParallel
 from planner.tracing.parallel.user_plans import user_plan
 
-__all__ = ["EpPlan", "expert_modules", "resolve_ep_plan"]
+__all__ = [
+    "EpPlan",
+    "expert_hidden_dims",
+    "expert_modules",
+    "expert_paths",
+    "is_expert_param",
+    "is_grouped_experts",
+    "resolve_ep_plan",
+]
 
-EpPlan = Callable[[nn.Module, DeviceMesh, DeviceMesh], object]
+EpPlan = Callable[[nn.Module, DeviceMesh], object]
 
 
-def _is_grouped_experts(module: nn.Module) -> bool:
+def is_grouped_experts(module: object) -> bool:
     """torchtitan's GroupedExperts shape: forward(x, num_tokens_per_expert), params [num_experts, ...]."""
+    if not isinstance(module, nn.Module):
+        return False
     n = getattr(module, "num_experts", None)
     params = list(module.parameters(recurse=False))
     if not isinstance(n, int) or not params or any(p.dim() < 2 or p.shape[0] != n for p in params):
@@ -63,7 +77,7 @@ def expert_modules(model: nn.Module, ep: int = 2) -> dict[str, int]:
             for name, style in hf.items()
             if style == "ep_dispatch_experts"
         }
-    return {name: m.num_experts for name, m in model.named_modules() if _is_grouped_experts(m)}
+    return {name: m.num_experts for name, m in model.named_modules() if is_grouped_experts(m)}
 
 
 def _check_experts(experts: dict[str, int], ep: int) -> None:
@@ -76,7 +90,8 @@ def _check_experts(experts: dict[str, int], ep: int) -> None:
             )
 
 
-def _auto_plan(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:
+def _auto_plan(model: nn.Module, mesh: DeviceMesh) -> None:
+    ep_mesh, tp_mesh = mesh["ep"], mesh["tp"]
     ep = ep_mesh.size()
     experts = expert_modules(model, ep)
     if not experts:
@@ -88,17 +103,53 @@ def _auto_plan(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> No
     _check_experts(experts, ep)
     hf = _hf_expert_plan(model, ep)
     if hf is not None:
+        if tp_mesh.size() > 1:
+            raise SpecError(
+                f"--ep with --tp on {type(model).__name__}: transformers' expert-parallel plan does not compose with "
+                "tensor parallel in memplan yet; drop --tp, or pass --tp-plan and --ep-plan functions"
+            )
         from transformers.distributed.expert_parallel import apply_expert_parallelism
 
         apply_expert_parallelism(model, ep_mesh, tp_mesh, hf)
         return
     for path in experts:
-        ExpertParallel()._apply(model.get_submodule(path), ep_mesh)
+        experts_module = model.get_submodule(path)
+        if tp_mesh.size() > 1:
+            ExpertParallel(hidden_dims=expert_hidden_dims(experts_module, path))._apply(
+                experts_module, mesh["ep", "tp"]
+            )
+        else:
+            ExpertParallel()._apply(experts_module, ep_mesh)
+
+
+def is_expert_param(p: object) -> bool:
+    """Whether a parameter is sharded by expert parallel (a DTensor on a mesh with an ``ep`` dimension)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
+
+
+def expert_paths(model: nn.Module) -> list[str]:
+    """Paths of the modules that hold expert-parallel parameters, sorted."""
+    return sorted({n.rpartition(".")[0] for n, p in model.named_parameters() if is_expert_param(p)})
+
+
+def expert_hidden_dims(module: nn.Module, path: str) -> dict[str, int]:
+    """Parameter name -> the dimension tensor parallel shards of torchtitan's grouped experts (w1 and
+    w3 ``[experts, hidden, dim]``: 1; w2 ``[experts, dim, hidden]``: 2); a one-line error for others."""
+    names = {n for n, _ in module.named_parameters(recurse=False)}
+    if names != {"w1", "w2", "w3"}:
+        raise SpecError(
+            f"--tp with --ep: memplan shards torchtitan's grouped experts (w1, w2, w3) over tensor parallel, and "
+            f"{path} holds {', '.join(sorted(names))}; pass --ep-plan PATH.py:FUNC with FUNC(model, ep_mesh)"
+        )
+    return {"w1": 1, "w2": 2, "w3": 1}
 
 
 def resolve_ep_plan(spec: str) -> EpPlan:
-    """``auto`` or a ``PATH.py:FUNC`` / ``package.module:FUNC`` spec -> plan(model, ep_mesh, tp_mesh)."""
+    """``auto`` or a ``PATH.py:FUNC`` / ``package.module:FUNC`` spec -> plan(model, mesh) over the
+    ``[edp, ep, tp]`` mesh (a user's FUNC gets its ``ep`` dimension)."""
     if spec == "auto":
         return _auto_plan
     plan = user_plan("ep-plan", spec, "ep_mesh")
-    return lambda model, ep_mesh, tp_mesh: plan(model, ep_mesh)
+    return lambda model, mesh: plan(model, mesh["ep"])

@@ -11,6 +11,11 @@ whose parameters hold every expert on dim 0:
 - combine: the inverse permutation, and the rows back to the ranks that sent them with a second
   all-to-all (autograd through both).
 
+With `hidden_dims` (torchtitan's ``ExpertTensorParallel``) the mesh is ``[ep, tp]``: each
+parameter is also sharded over ``tp`` on its hidden dimension, the TP ranks of an EP rank route the
+same (replicated) tokens, dispatch and combine run over the ``ep`` dimension at each TP index, and
+the experts' output is each TP rank's partial sum (the MoE layer reduces it).
+
 The same style runs on the fake-tensor model of a trace and on a real model under gloo.
 """
 
@@ -19,10 +24,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["ExpertParallel"]
+__all__ = ["ExpertParallel", "GroupedExpertsTensorParallel"]
+
+
+def _partial_gradient(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """`x`, replicated over the TP ranks, unchanged; its gradient, a partial sum on each TP rank (the
+    experts' hidden dimension is sharded), all-reduced on the way back (torchtitan's experts under TP)."""
+    return DTensor.from_local(x, tp_mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
 
 
 def _all_to_all_counts(counts: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -35,18 +46,25 @@ def _all_to_all_counts(counts: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 class ExpertParallel(ParallelStyle):
     """Shard a grouped-experts module over the EP mesh and move its tokens with all-to-all."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden_dims: dict[str, int] | None = None) -> None:
         super().__init__()
+        self.hidden_dims = hidden_dims
         self._splits: dict[int, tuple[list[int], list[int], torch.Tensor]] = {}
 
-    @staticmethod
-    def _partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for pname, param in list(module.named_parameters(recurse=False)):
-            sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)], src_data_rank=None))
+            placements = [Shard(0)] if self.hidden_dims is None else [Shard(0), Shard(self.hidden_dims[pname])]
+            sharded = nn.Parameter(distribute_tensor(param, mesh, placements, src_data_rank=None))
             module.register_parameter(pname, sharded)
+
+    def _ep(self, mesh: DeviceMesh) -> DeviceMesh:
+        return mesh if self.hidden_dims is None else mesh["ep"]
 
     def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         routed_input, num_tokens_per_expert = inputs[0], inputs[1]
+        if self.hidden_dims is not None:
+            routed_input = _partial_gradient(routed_input, mesh["tp"])
+        mesh = self._ep(mesh)
         ep = mesh.size()
         with torch.no_grad():
             received = _all_to_all_counts(num_tokens_per_expert, mesh)  # [source rank, local expert]
@@ -69,6 +87,7 @@ class ExpertParallel(ParallelStyle):
         return rows[permutation], local.sum(dim=0)
 
     def _combine(self, module: nn.Module, routed_output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        mesh = self._ep(mesh)
         input_splits, output_splits, permutation = self._splits.pop(id(module))
         unpermuted = torch.empty_like(routed_output)
         unpermuted[permutation] = routed_output
@@ -83,4 +102,30 @@ class ExpertParallel(ParallelStyle):
             partition_fn=self._partition,
             input_fn=lambda mod, inputs, mesh: self._dispatch(mod, inputs, mesh),
             output_fn=lambda mod, outputs, mesh: self._combine(mod, outputs, mesh),
+        )
+
+
+class GroupedExpertsTensorParallel(ParallelStyle):
+    """Tensor parallel for grouped experts without expert parallel (torchtitan's ``TensorParallel``
+    for experts): every expert's hidden dimension sharded over the TP mesh (`hidden_dims`: parameter
+    name -> that dimension); each rank runs every routed token through its shard and returns its
+    partial sum (the MoE layer reduces it)."""
+
+    def __init__(self, hidden_dims: dict[str, int]) -> None:
+        super().__init__()
+        self.hidden_dims = hidden_dims
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            placements = [Shard(self.hidden_dims[pname])]
+            module.register_parameter(
+                pname, nn.Parameter(distribute_tensor(param, mesh, placements, src_data_rank=None))
+            )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            partition_fn=self._partition,
+            input_fn=lambda mod, inputs, mesh: (_partial_gradient(inputs[0], mesh), *inputs[1:]),
         )

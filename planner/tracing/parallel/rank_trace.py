@@ -36,7 +36,7 @@ from planner.tracing.fake_build import fake_model
 from planner.tracing.graph import OpGraph
 from planner.tracing.moe import RoutingAssumption, routed_indices
 from planner.tracing.parallel.context_parallel import context_parallel_step
-from planner.tracing.parallel.ep_plans import EpPlan, resolve_ep_plan
+from planner.tracing.parallel.ep_plans import EpPlan, expert_paths, is_expert_param, resolve_ep_plan
 from planner.tracing.parallel.tp_plans import TpPlan, step_context, tp_plan_for
 from planner.tracing.recorder import cast_parameters, trace_model
 from planner.tracing.specs import ModelSpec, resolve_spec
@@ -119,10 +119,18 @@ def ep_role_keys(routing: RoutingAssumption, ep: int) -> list[tuple]:
     return [tuple(sorted(counts[j * local : (j + 1) * local], reverse=True)) for j in range(ep)]
 
 
-def _state_shapes(model: nn.Module) -> list[tuple[int, ...]]:
+def _state_shapes(model: nn.Module, ep: int) -> list[tuple[int, ...]]:
     """Parameter shapes whose ZeRO-3 shards each rank keeps 1/dp of: an expert-sharded parameter
-    counts whole (its 1/ep local experts are sharded over dp / ep ranks), the others as held."""
-    return [tuple(p.shape) for p in model.parameters()]
+    counts its local experts ep times (they are sharded over the dp / ep ranks holding them), any
+    other its local (tensor-parallel) shard."""
+    out = []
+    for p in model.parameters():
+        if not isinstance(p, DTensor):
+            out.append(tuple(p.shape))
+            continue
+        local = tuple(p.to_local().shape)
+        out.append((local[0] * ep, *local[1:]) if is_expert_param(p) else local)
+    return out
 
 
 def _local_shape(p: torch.Tensor, tp_index: int) -> tuple[int, ...]:
@@ -191,12 +199,10 @@ def trace_tp_rank(
             if config.tp > 1:
                 plan(model, mesh["tp"])
             if sparse is not None:
-                ep_plan(model, sparse["ep"], sparse["tp"])
-                state_shapes = _state_shapes(model)
-                expert_shapes = [tuple(p.to_local().shape) for p in model.parameters() if isinstance(p, DTensor)]
-                expert_paths = sorted(
-                    {n.rpartition(".")[0] for n, p in model.named_parameters() if isinstance(p, DTensor)}
-                )
+                ep_plan(model, sparse)
+                state_shapes = _state_shapes(model, config.ep)
+                expert_shapes = [tuple(p.to_local().shape) for p in model.parameters() if is_expert_param(p)]
+                experts = expert_paths(model)
             keys = tp_role_keys(model, config)
             with step_context(config), _context_parallel(config, mesh, inputs, model_spec.name):
                 graph = trace_model(
@@ -216,7 +222,7 @@ def trace_tp_rank(
                     ep_plan=config.ep_plan,
                     ep_state_param_shapes=state_shapes,
                     ep_expert_shapes=expert_shapes,
-                    ep_expert_modules=expert_paths,
+                    ep_expert_modules=experts,
                 )
                 graph.meta["moe"] = routing.to_dict()
     graph.meta.update(

@@ -4,7 +4,10 @@
   ``base_model_tp_plan``: transformers' own ``apply_tensor_parallelism`` applies it), else
   memplan's for the decoder blocks it recognises, laid out as torchtitan does: embeddings
   rowwise with sequence-sharded output, norms ``SequenceParallel``, q/k/v and w1/w3 colwise, o
-  and w2 rowwise with sequence-sharded output, head colwise. With loss parallel (torchtitan's
+  and w2 rowwise with sequence-sharded output, head colwise; a torchtitan-style mixture-of-experts
+  layer gathers its input whole, keeps its router replicated, runs its shared expert column- then
+  row-parallel and its experts with the hidden dimension sharded (or leaves them to the
+  expert-parallel plan), and reduce-scatters its partial output. With loss parallel (torchtitan's
   default) the logits stay sharded over the vocabulary and the step runs under torch's
   ``loss_parallel()`` (:func:`step_context`); without it they are gathered whole. Without
   sequence parallel the norms stay replicated and row-parallel outputs are all-reduced.
@@ -23,7 +26,7 @@ from functools import partial
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -35,6 +38,8 @@ from torch.distributed.tensor.parallel import (
 
 from planner.config import TrainConfig
 from planner.errors import SpecError
+from planner.tracing.parallel.ep_plans import expert_hidden_dims, is_grouped_experts
+from planner.tracing.parallel.expert_parallel import GroupedExpertsTensorParallel
 from planner.tracing.parallel.user_plans import user_plan
 
 __all__ = ["TpPlan", "apply_tp_plan", "resolve_tp_plan", "step_context", "tp_plan_for"]
@@ -46,6 +51,8 @@ _ATTENTION = ("attn", "attention", "self_attn")
 _QKV = (("q_proj", "k_proj", "v_proj"), ("wq", "wk", "wv"))
 _OUT = ("o_proj", "wo")
 _MLP = ("mlp", "feed_forward")
+_MOE = ("moe", "mlp", "feed_forward")  # a mixture-of-experts layer in the MLP's place (torchtitan: moe)
+_SHARED = ("shared_experts", "shared_expert")
 _UP = (("gate_proj", "up_proj"), ("w1", "w3"))
 _DOWN = ("down_proj", "w2")
 _NORMS = (("attn_norm", "mlp_norm"), ("attention_norm", "ffn_norm"), ("input_layernorm", "post_attention_layernorm"))
@@ -74,6 +81,34 @@ class _ReplicateFirstInput(ParallelStyle):
         return module
 
 
+class _MoeLayerParallel(ParallelStyle):
+    """A mixture-of-experts layer under tensor parallel (torchtitan's ``PrepareModuleInputOutput``
+    for it): its input, sequence-sharded, all-gathered and handed over as a plain tensor (the router
+    and the experts see the whole sequence); its output, each TP rank's partial sum (the shared
+    expert's row-parallel projection and the sharded experts), reduce-scattered back over the
+    sequence (all-reduced without sequence parallel). Inside the forward, so a checkpointed layer
+    recomputes the gather."""
+
+    def __init__(self, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        forward, seq = module.forward, self.sequence_parallel
+
+        def moe_forward(x, *args, **kwargs):
+            if isinstance(x, DTensor):
+                x = x.redistribute(placements=(Replicate(),)).to_local()
+            elif seq:
+                x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+                x = x.redistribute(placements=(Replicate(),)).to_local()
+            out = DTensor.from_local(forward(x, *args, **kwargs), device_mesh, (Partial(),), run_check=False)
+            return out.redistribute(placements=(Shard(1),) if seq else (Replicate(),)).to_local()
+
+        module.forward = moe_forward
+        return module
+
+
 def _child(module: nn.Module, names: tuple[str, ...]) -> tuple[str, nn.Module] | None:
     for name in names:
         child = getattr(module, name, None)
@@ -84,7 +119,8 @@ def _child(module: nn.Module, names: tuple[str, ...]) -> tuple[str, nn.Module] |
 
 @dataclass(frozen=True)
 class _Block:
-    """One recognised decoder block: the child names of its attention, MLP and norms."""
+    """One recognised decoder block: the child names of its attention, MLP (or mixture-of-experts
+    layer: `experts` set, `up` / `down` those of its shared expert, if any) and norms."""
 
     path: str
     attention: str
@@ -94,19 +130,48 @@ class _Block:
     up: tuple[str, ...]
     down: str
     norms: tuple[str, str]
+    experts: str | None = None
+    shared: str | None = None
+
+
+def _feed_forward(module: nn.Module) -> tuple[tuple[str, ...], str] | None:
+    """(up, down) Linear child names of a gated feed-forward module."""
+    up = next((names for names in _UP if all(isinstance(getattr(module, n, None), nn.Linear) for n in names)), None)
+    down = _child(module, _DOWN)
+    return (up, down[0]) if up is not None and down is not None and isinstance(down[1], nn.Linear) else None
+
+
+def _moe_layer(block: nn.Module) -> tuple[str, nn.Module] | None:
+    """The torchtitan-style mixture-of-experts child of a block: grouped experts and a router."""
+    for name in _MOE:
+        child = getattr(block, name, None)
+        experts = getattr(child, "experts", None)
+        if isinstance(child, nn.Module) and is_grouped_experts(experts) and _child(child, ("router", "gate")):
+            return name, child
+    return None
 
 
 def _recognise_block(path: str, block: nn.Module) -> _Block | None:
-    attn, mlp = _child(block, _ATTENTION), _child(block, _MLP)
+    attn = _child(block, _ATTENTION)
     norms = next((pair for pair in _NORMS if all(isinstance(getattr(block, n, None), nn.Module) for n in pair)), None)
-    if attn is None or mlp is None or norms is None:
+    if attn is None or norms is None:
         return None
     qkv = next((names for names in _QKV if all(isinstance(getattr(attn[1], n, None), nn.Linear) for n in names)), None)
-    up = next((names for names in _UP if all(isinstance(getattr(mlp[1], n, None), nn.Linear) for n in names)), None)
-    out, down = _child(attn[1], _OUT), _child(mlp[1], _DOWN)
-    if qkv is None or up is None or out is None or down is None:
+    out = _child(attn[1], _OUT)
+    if qkv is None or out is None:
         return None
-    return _Block(path, attn[0], qkv, out[0], mlp[0], up, down[0], norms)
+    if (moe := _moe_layer(block)) is not None:
+        shared = _child(moe[1], _SHARED)
+        ffn = _feed_forward(shared[1]) if shared is not None else None
+        if shared is not None and ffn is None:
+            return None
+        up, down = ffn or ((), "")
+        return _Block(path, attn[0], qkv, out[0], moe[0], up, down, norms, "experts", shared and shared[0])
+    mlp = _child(block, _MLP)
+    ffn = _feed_forward(mlp[1]) if mlp is not None else None
+    if ffn is None:
+        return None
+    return _Block(path, attn[0], qkv, out[0], mlp[0], *ffn, norms)
 
 
 def decoder_blocks(model: nn.Module) -> list[_Block]:
@@ -136,8 +201,11 @@ def check_heads(where: str, counts: dict[str, int], tp: int) -> None:
             )
 
 
-def _memplan_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
-    """torchtitan's layout on the recognised blocks (see the module docstring)."""
+def _memplan_plan(
+    model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool, shard_experts: bool = True
+) -> None:
+    """torchtitan's layout on the recognised blocks (see the module docstring); a mixture-of-experts
+    layer's experts are sharded here when `shard_experts` (else by the expert-parallel plan)."""
     tp = tp_mesh.size()
     blocks = decoder_blocks(model)
     for b in blocks:
@@ -159,16 +227,25 @@ def _memplan_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool
         plan: dict[str, ParallelStyle] = {}
         for name in b.qkv:
             plan[f"{b.attention}.{name}"] = ColwiseParallel()
-        for name in b.up:
-            plan[f"{b.mlp}.{name}"] = ColwiseParallel()
         out_layout = seq if sequence_parallel else None
         plan[f"{b.attention}.{b.out}"] = RowwiseParallel(output_layouts=out_layout)
-        plan[f"{b.mlp}.{b.down}"] = RowwiseParallel(output_layouts=out_layout)
+        ffn = b.mlp if b.experts is None else f"{b.mlp}.{b.shared}" if b.shared else None
+        for name in b.up if ffn else ():
+            plan[f"{ffn}.{name}"] = ColwiseParallel()
+        if ffn:  # a shared expert's output is the layer's partial sum, reduced with the experts'
+            plan[f"{ffn}.{b.down}"] = RowwiseParallel(output_layouts=out_layout if b.experts is None else Partial())
+        if b.experts is not None:
+            plan[b.mlp] = _MoeLayerParallel(sequence_parallel)
+            experts = f"{b.path}.{b.mlp}.{b.experts}"
+            if shard_experts:
+                hidden = expert_hidden_dims(model.get_submodule(experts), experts)
+                plan[f"{b.mlp}.{b.experts}"] = GroupedExpertsTensorParallel(hidden)
         if sequence_parallel:
             plan[b.norms[0]] = SequenceParallel()
             plan[b.norms[1]] = SequenceParallel()
             plan[b.attention] = _ReplicateFirstInput()
-            plan[b.mlp] = _ReplicateFirstInput()
+            if b.experts is None:
+                plan[b.mlp] = _ReplicateFirstInput()
         parallelize_module(model.get_submodule(b.path), tp_mesh, plan)
         attention = model.get_submodule(f"{b.path}.{b.attention}")
         for attr in _HEAD_COUNTS:
@@ -196,7 +273,9 @@ def _has_hf_plan(model: nn.Module) -> bool:
     return bool(getattr(config, "base_model_tp_plan", None)) and hasattr(model, "_resolve_parallel_plans")
 
 
-def _auto_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+def _auto_plan(
+    model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool, shard_experts: bool
+) -> None:
     if _has_hf_plan(model):
         _hf_plan(model, tp_mesh)
         return
@@ -206,13 +285,18 @@ def _auto_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, l
             "ships no tensor-parallel plan; pass --tp-plan PATH.py:FUNC with FUNC(model, tp_mesh) calling "
             "parallelize_module"
         )
-    _memplan_plan(model, tp_mesh, sequence_parallel, loss_parallel)
+    _memplan_plan(model, tp_mesh, sequence_parallel, loss_parallel, shard_experts)
 
 
-def resolve_tp_plan(spec: str, sequence_parallel: bool = True, loss_parallel: bool = False) -> TpPlan:
-    """``auto`` or a ``PATH.py:FUNC`` / ``package.module:FUNC`` spec -> plan(model, tp_mesh)."""
+def resolve_tp_plan(
+    spec: str, sequence_parallel: bool = True, loss_parallel: bool = False, shard_experts: bool = True
+) -> TpPlan:
+    """``auto`` or a ``PATH.py:FUNC`` / ``package.module:FUNC`` spec -> plan(model, tp_mesh); under
+    expert parallel (`shard_experts` false) the experts are left to the EP plan."""
     if spec == "auto":
-        return partial(_auto_plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        return partial(
+            _auto_plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, shard_experts=shard_experts
+        )
     return user_plan("tp-plan", spec, "tp_mesh")
 
 
@@ -229,7 +313,7 @@ def _loss_parallel(config: TrainConfig) -> bool:
 
 def tp_plan_for(config: TrainConfig) -> TpPlan:
     """The tensor-parallel plan a config names (its spec, sequence and loss parallel)."""
-    return resolve_tp_plan(config.tp_plan, config.sequence_parallel, _loss_parallel(config))
+    return resolve_tp_plan(config.tp_plan, config.sequence_parallel, _loss_parallel(config), config.ep == 1)
 
 
 def step_context(config: TrainConfig) -> AbstractContextManager:
