@@ -248,3 +248,22 @@ def test_a_mixture_of_experts_searches_expert_parallel_inside_pipelines(tmp_path
     code, _, err = run(["simulate", "--model", spec, "--seq-len", "64", *x.flags().split(), "--json", str(out)], capsys)
     assert code == 0, err
     assert json.loads(out.read_text())["peak_bytes"] == x.peak_bytes, x.flags()
+
+
+@pytest.mark.slow
+def test_a_pinned_tp_searches_expert_parallel_with_tensor_parallel(tmp_path, capsys):
+    """`--tp 2` on a torchtitan-style MoE: its expert-parallel layouts run at tp 2 (experts over ep,
+    their hidden dimension over tp), and one's flags simulate to its peak, to the byte."""
+    spec = f"{Path(__file__).parent / 'ep_models.py'}:titan_moe"
+    config = TrainConfig(batch_size=2, seq_len=64, tp=2, gpu="h100-80gb")
+    found = search_layouts(spec, config, max_gpus=8, budget_bytes=2**30, global_batch=16)
+    experts = [x for x in found.layouts if x.ep > 1]
+    assert experts and all(x.tp == 2 and x.dp % x.ep == 0 for x in found.layouts)
+    x = max(experts, key=lambda x: x.peak_bytes)
+    out = tmp_path / "rank.json"
+    code, _, err = run(
+        ["simulate", "--model", spec, "--seq-len", "64", "--gpu", "h100-80gb", *x.flags().split(), "--json", str(out)],
+        capsys,
+    )
+    assert code == 0, err
+    assert json.loads(out.read_text())["peak_bytes"] == x.peak_bytes, x.flags()

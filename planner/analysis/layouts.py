@@ -220,9 +220,9 @@ class _Search:
             self.flops_per_sequence = sum(op.flops for op in graph.ops) / self.base.batch_size
         return graph
 
-    def expert_graph(self, ep: int) -> OpGraph | None:
-        """The busiest expert-parallel role's graph at degree `ep` (traced once, whatever the GPU count)."""
-        return self._heaviest_role((1, ep, 1), self.base.with_(dp=ep, ep=ep, zero_stage=3))
+    def expert_graph(self, ep: int, tp: int = 1) -> OpGraph | None:
+        """The busiest expert-parallel role's graph at degrees (tp, ep) (traced once, whatever the GPU count)."""
+        return self._heaviest_role((tp, ep, 1), self.base.with_(tp=tp, dp=ep, ep=ep, zero_stage=3))
 
     def context_graph(self, tp: int, cp: int) -> OpGraph | None:
         """The heaviest context-parallel rank's graph at degrees (tp, cp) (every cp index traced: each
@@ -389,12 +389,12 @@ def repeated(step: StepTime, times: int) -> StepTime:
 
 def _expert_degrees(search: _Search, gpus: int, fixed: TrainConfig) -> list[int]:
     """Expert-parallel degrees above 1 for a mixture-of-experts model: powers of two dividing its
-    experts, up to the GPU count (tp 1: memplan composes EP with FSDP2 and pipelines, not with TP)."""
+    experts, up to the GPU count, at the pinned tensor-parallel degree (1 unless --tp pins one)."""
     experts = search.graphs[(1, 1, 1)].meta.get("moe", {}).get("experts", 0)
-    if not experts or fixed.tp > 1:
+    if not experts or gpus % fixed.tp:
         return []
-    degrees = [ep for ep in _powers_of_two(min(gpus, experts))[1:] if experts % ep == 0]
-    return [ep for ep in degrees if fixed.ep in (1, ep) and search.expert_graph(ep) is not None]
+    degrees = [ep for ep in _powers_of_two(min(gpus // fixed.tp, experts))[1:] if experts % ep == 0]
+    return [ep for ep in degrees if fixed.ep in (1, ep) and search.expert_graph(ep, fixed.tp) is not None]
 
 
 def _context_degrees(search: _Search, gpus: int, gpus_per_node: int, fixed: TrainConfig) -> list[tuple[int, int]]:
@@ -422,14 +422,15 @@ def _shapes(
     """(tp, ep, cp, pp, schedule, stages per rank) that tile `gpus` and split the global batch evenly;
     expert parallel borrows its ranks from each stage's data-parallel ones."""
     out = []
-    degrees = _expert_degrees(search, gpus, fixed)
+    degrees, tp = _expert_degrees(search, gpus, fixed), fixed.tp
     for ep in degrees:
-        blocks = len(search.graphs[(1, ep, 1)].regions)
-        for pp in _powers_of_two(gpus // ep):
+        blocks = len(search.graphs[(tp, ep, 1)].regions)
+        for pp in _powers_of_two(gpus // (tp * ep)):
+            dp = gpus // (tp * pp)
             # inside a pipeline only the largest degree a stage's dp ranks hold: the fewest experts per rank
-            largest = max(d for d in degrees if (gpus // pp) % d == 0)
-            if fixed.pp in (1, pp) and (gpus // pp) % ep == 0 and (pp == 1 or ep == largest):
-                out += [(1, ep, 1, *p) for p in _pipelines(search, gpus // pp, pp, blocks)]
+            largest = max((d for d in degrees if dp % d == 0), default=0)
+            if fixed.pp in (1, pp) and dp % ep == 0 and (pp == 1 or ep == largest):
+                out += [(tp, ep, 1, *p) for p in _pipelines(search, dp, pp, blocks)]
     for tp, cp in _context_degrees(search, gpus, gpus_per_node, fixed):
         blocks = len(search.graphs[(tp, 1, cp)].regions)
         for pp in _powers_of_two(gpus // (tp * cp)):
@@ -573,8 +574,8 @@ def search_layouts(
 ) -> LayoutSearch:
     """Search layouts of `config`'s step on up to `max_gpus` GPUs of `config.gpu` (see the module
     docstring); `config.tp` / `config.pp` / `config.ep` above 1 pin those degrees (expert parallel
-    is tried for a mixture-of-experts model, with FSDP2 and pipelines, without tp); `allow_offload` /
-    `allow_8bit` let it try host offload and 8-bit AdamW states."""
+    is tried for a mixture-of-experts model, with FSDP2 and pipelines, and with tp where --tp pins
+    it); `allow_offload` / `allow_8bit` let it try host offload and 8-bit AdamW states."""
     started = time.perf_counter()
     device = get_device(config.gpu)
     per_node = gpus_per_node or device.gpus_per_node
