@@ -145,6 +145,7 @@ PUBLISHED.append(
     {
         "name": "DeepSeek-V3 (671B MoE) pre-training",
         "source": "DeepSeek-V3 Technical Report, sections 3.1-3.3 and Table 1",
+        "search": "deepseek-v3",
         "published": "2048 H800s: pp16 ep64 (ZeRO-1 dp), DualPipe, seq 4096, FP8 matmuls, BF16 AdamW moments",
         "published_gpus": 2048,
         "gpus": 2048,
