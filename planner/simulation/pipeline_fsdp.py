@@ -75,6 +75,9 @@ class StageFsdp:
     grad_at: np.ndarray  # (bwd ops,) gradient bytes beyond the counted (sharded) ones, made at each op
     reduce_input_bytes: tuple[int, ...]  # each block's reduce-scatter input; the root's last
     keep_after_forward: bool
+    # per block: prefetched in backward (an all-gather over more than one rank); a unit sharded over
+    # one rank (the experts when ep = dp) is copied whole when its own backward starts
+    prefetched: tuple[bool, ...] = ()
 
     @property
     def gradient_bytes(self) -> int:
@@ -112,6 +115,10 @@ def stage_fsdp(graph: OpGraph, config: TrainConfig, cut: StageCut, sizes: dict[i
             b * reduce_itemsize // traced_itemsize for b in (*(u.param_bytes for u in blocks), root)
         ),
         keep_after_forward=config.reshard_after_forward is False,
+        prefetched=tuple(
+            u.path not in graph.meta.get("ep_expert_modules", ()) or config.shard_ranks > graph.meta.get("ep", 1)
+            for u in blocks
+        ),
     )
 
 
@@ -173,7 +180,8 @@ class StageFsdpState:
                 kept = everywhere if f.keep_after_forward or self.pinned else ops < end
                 held = kept if self.gathered[k] else (ops >= start) & kept
             else:  # a backward gathers the block at its start, prefetched when the next one starts
-                start = f.block_bwd[k + 1][0] if k + 1 < len(f.block_bytes) else f.block_bwd[k][0]
+                ahead = k + 1 < len(f.block_bytes) and (not f.prefetched or f.prefetched[k])
+                start = f.block_bwd[k + 1][0] if ahead else f.block_bwd[k][0]
                 held = everywhere if self.gathered[k] else ops >= start
             param += np.where(held, nbytes, 0)
         grad = np.zeros(len(ops), dtype=np.int64)
