@@ -77,7 +77,7 @@ class StageFsdp:
     keep_after_forward: bool
     # per block: prefetched in backward (an all-gather over more than one rank); a unit sharded over
     # one rank (the experts when ep = dp) is copied whole when its own backward starts
-    prefetched: tuple[bool, ...] = ()
+    prefetched: tuple[bool, ...]
 
     @property
     def gradient_bytes(self) -> int:
@@ -180,7 +180,7 @@ class StageFsdpState:
                 kept = everywhere if f.keep_after_forward or self.pinned else ops < end
                 held = kept if self.gathered[k] else (ops >= start) & kept
             else:  # a backward gathers the block at its start, prefetched when the next one starts
-                ahead = k + 1 < len(f.block_bytes) and (not f.prefetched or f.prefetched[k])
+                ahead = k + 1 < len(f.block_bytes) and f.prefetched[k]
                 start = f.block_bwd[k + 1][0] if ahead else f.block_bwd[k][0]
                 held = everywhere if self.gathered[k] else ops >= start
             param += np.where(held, nbytes, 0)

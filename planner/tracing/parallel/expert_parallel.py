@@ -21,6 +21,8 @@ The same style runs on the fake-tensor model of a trace and on a real model unde
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,6 +36,13 @@ def _partial_gradient(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
     """`x`, replicated over the TP ranks, unchanged; its gradient, a partial sum on each TP rank (the
     experts' hidden dimension is sharded), all-reduced on the way back (torchtitan's experts under TP)."""
     return DTensor.from_local(x, tp_mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
+
+
+def _shard_parameters(module: nn.Module, mesh: DeviceMesh, placements: Callable[[str], list[Shard]]) -> None:
+    """Each of the module's own parameters distributed over `mesh` with `placements(name)`."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        sharded = nn.Parameter(distribute_tensor(param, mesh, placements(name), src_data_rank=None))
+        module.register_parameter(name, sharded)
 
 
 def _all_to_all_counts(counts: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -52,10 +61,8 @@ class ExpertParallel(ParallelStyle):
         self._splits: dict[int, tuple[list[int], list[int], torch.Tensor]] = {}
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        for pname, param in list(module.named_parameters(recurse=False)):
-            placements = [Shard(0)] if self.hidden_dims is None else [Shard(0), Shard(self.hidden_dims[pname])]
-            sharded = nn.Parameter(distribute_tensor(param, mesh, placements, src_data_rank=None))
-            module.register_parameter(pname, sharded)
+        hidden = self.hidden_dims
+        _shard_parameters(module, mesh, lambda p: [Shard(0)] if hidden is None else [Shard(0), Shard(hidden[p])])
 
     def _ep(self, mesh: DeviceMesh) -> DeviceMesh:
         return mesh if self.hidden_dims is None else mesh["ep"]
@@ -116,11 +123,7 @@ class GroupedExpertsTensorParallel(ParallelStyle):
         self.hidden_dims = hidden_dims
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        for pname, param in list(module.named_parameters(recurse=False)):
-            placements = [Shard(self.hidden_dims[pname])]
-            module.register_parameter(
-                pname, nn.Parameter(distribute_tensor(param, mesh, placements, src_data_rank=None))
-            )
+        _shard_parameters(module, mesh, lambda p: [Shard(self.hidden_dims[p])])
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(

@@ -63,6 +63,13 @@ _HEAD = ("lm_head", "output")
 _HEAD_COUNTS = ("num_heads", "num_kv_heads", "n_heads", "n_kv_heads")
 
 
+def _gathered(x, device_mesh: DeviceMesh) -> DTensor:
+    """`x` replicated over the TP mesh: a sequence-sharded plain tensor (or a DTensor) all-gathered."""
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+    return x.redistribute(placements=(Replicate(),))
+
+
 class _ReplicateFirstInput(ParallelStyle):
     """The module's first input, sequence-sharded, all-gathered to replicated (torchtitan's
     ``PrepareModuleInput(input_layouts=(Shard(1), ...), desired_input_layouts=(Replicate(), ...))``
@@ -73,9 +80,7 @@ class _ReplicateFirstInput(ParallelStyle):
         forward = module.forward
 
         def gathered_forward(x, *args, **kwargs):
-            if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
-            return forward(x.redistribute(placements=(Replicate(),)), *args, **kwargs)
+            return forward(_gathered(x, device_mesh), *args, **kwargs)
 
         module.forward = gathered_forward
         return module
@@ -97,11 +102,8 @@ class _MoeLayerParallel(ParallelStyle):
         forward, seq = module.forward, self.sequence_parallel
 
         def moe_forward(x, *args, **kwargs):
-            if isinstance(x, DTensor):
-                x = x.redistribute(placements=(Replicate(),)).to_local()
-            elif seq:
-                x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
-                x = x.redistribute(placements=(Replicate(),)).to_local()
+            if seq or isinstance(x, DTensor):
+                x = _gathered(x, device_mesh).to_local()
             out = DTensor.from_local(forward(x, *args, **kwargs), device_mesh, (Partial(),), run_check=False)
             return out.redistribute(placements=(Shard(1),) if seq else (Replicate(),)).to_local()
 
