@@ -153,19 +153,82 @@ def test_moe_routing_assumption_is_taken_and_stored_in_the_plan():
         plan_for(model, inputs, "80%", gpu="cpu", moe_imbalance=0.5)
 
 
-def test_a_model_already_sharded_is_refused_in_one_line():
-    """A tensor-parallel model's parameters are DTensors: the live trace would copy them whole, so
-    auto_checkpoint says how to plan it instead of failing inside the trace."""
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+def test_a_tensor_parallel_model_is_planned_as_its_rank_share():
+    """After parallelize_module the live trace is this rank's share, made by the model's own TP hooks:
+    the same plan as `memplan plan --tp 2` makes on its fake process group."""
+    from planner.api import plan_model
+    from planner.config import TrainConfig
+    from planner.simulation.layout import simulate_ranks
+    from planner.tracing.parallel.rank_trace import fake_process_group, layout_mesh
+    from planner.tracing.parallel.tp_plans import tp_plan_for
+    from planner.tracing.specs import resolve_spec
+
+    config = TrainConfig(batch_size=2, seq_len=64, gpu="cpu", tp=2)
+    budget = int(0.92 * simulate_ranks("llama-7b-tiny", config).peak_bytes)
+    want, _, _ = plan_model("llama-7b-tiny", config, budget, time_limit_s=5.0)
+    with fake_process_group(0, 2):
+        model, inputs = resolve_spec("llama-7b-tiny").build(batch_size=2, seq_len=64)
+        tp_plan_for(config)(model, layout_mesh(config)["tp"])
+        got = plan_for(model, inputs, budget, time_limit_s=5.0)
+    assert got.config["tp"] == 2
+    assert got.decisions == want.decisions and got.predicted.peak_bytes == want.predicted.peak_bytes
+
+
+def _closure_forwards(model: torch.nn.Module) -> None:
+    """Replace each Linear's forward by a closure over its bound forward (transformers' TP styles do)
+    or by a function holding it as a default argument."""
+
+    def closure(own):
+        def forward(*args, **kwargs):
+            return own(*args, **kwargs)
+
+        return forward
+
+    for k, module in enumerate(m for m in model.modules() if isinstance(m, torch.nn.Linear)):
+        if k % 2:
+            module.forward = closure(module.forward)
+        else:
+
+            def forward(*args, own=module.forward, **kwargs):
+                return own(*args, **kwargs)
+
+            module.forward = forward
+
+
+def test_a_forward_replaced_by_a_closure_runs_on_the_copy():
+    """The fake copy's closures are copied with it: the trace sees the copy's fake parameters, so the
+    plan is the plain model's (before, the closure ran the original module on real parameters)."""
+    torch.manual_seed(0)
+    plain, inputs = llama_small(2, 64)
+    wrapped = copy.deepcopy(plain)
+    _closure_forwards(wrapped)
+    want, got = plan_for(plain, inputs, "90%"), plan_for(wrapped, inputs, "90%")
+    assert got.predicted == want.predicted and got.decisions == want.decisions
+
+
+def test_a_module_outside_the_model_is_one_line():
+    """A forward that calls a module with parameters the model does not hold: its parameters would go uncounted."""
+
+    class Outside(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.nn.Linear(16, 16)
+            self.__dict__["helper"] = torch.nn.Linear(16, 16)  # not a registered submodule
+
+        def forward(self, x):
+            return self.helper(self.inner(x)).sum()
+
+    with pytest.raises(MemplanError, match="not part of the traced model"):
+        plan_for(Outside(), (torch.randn(2, 16),), "80%")
+
+
+def test_a_fully_sharded_model_is_refused_in_one_line():
+    from torch.distributed.fsdp import fully_shard
 
     from planner.tracing.parallel.rank_trace import fake_process_group
 
+    model, inputs = llama_small(2, 64)
     with fake_process_group(0, 2):
-        model = parallelize_module(
-            nn.Sequential(nn.Linear(8, 8)), init_device_mesh("cpu", (2,)), {"0": ColwiseParallel()}
-        )
-        with pytest.raises(MemplanError, match="already sharded") as info:
-            auto_checkpoint(model, (torch.randn(2, 8),), "80%")
-    assert "\n" not in str(info.value)
+        fully_shard(model)
+        with pytest.raises(MemplanError, match="before fully_shard"):
+            plan_for(model, inputs, "80%")

@@ -62,3 +62,35 @@ def run_on_ranks(cases: list, world_size: int, timeout_s: float = TIMEOUT_S) -> 
         errors[key] = max(errors.get(key, 0.0), grad_error)
     assert sorted(peaks) == sorted(c[0] for c in cases), "a case reported from no rank"
     return {key: (peaks[key], errors[key]) for key in peaks}
+
+
+def _auto_worker(rank: int, world_size: int, init_file: str, cases: list, queue) -> None:
+    """auto_checkpoint on the TP-sharded model of each rank (before fully_shard, torchtitan's order)."""
+    from planner.runtime.auto import auto_checkpoint
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        for key, spec, config, budget in cases:
+            handles = []
+
+            def checkpoint(model, inputs, config=config, budget=budget, handles=handles) -> None:
+                options = {"zero_stage": config.zero_stage, "dp": config.dp, "gpu": "cpu"}
+                handles.append(auto_checkpoint(model, inputs, budget, loss_parallel=config.loss_parallel, **options))
+
+            model, inputs = build_parallel_model(spec, config, checkpoint=checkpoint)
+            grad_error = _grad_error(spec, config, model, inputs)
+            peak = measure_parallel_step(model, inputs, config).peak_bytes
+            queue.put((key, rank, peak, grad_error, handles[0].plan.to_dict()))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_auto_on_ranks(cases: list, world_size: int, timeout_s: float = TIMEOUT_S) -> dict[str, tuple[list, float]]:
+    """Cases (key, spec, config, budget): key -> (per global rank (measured peak, plan dict), worst gradient error)."""
+    out: dict[str, list] = {}
+    errors: dict[str, float] = {}
+    for key, rank, peak, grad_error, plan in run_on_gloo_ranks(_auto_worker, world_size, cases, timeout_s):
+        out.setdefault(key, [None] * world_size)[rank] = (peak, plan)
+        errors[key] = max(errors.get(key, 0.0), grad_error)
+    return {key: (out[key], errors[key]) for key in out}

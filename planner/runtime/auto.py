@@ -12,12 +12,15 @@ its own length (fake copies of that batch) and solved, and the plan is cached.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from costmodels.hardware import DEVICES
@@ -35,6 +38,7 @@ from planner.solver.cpsat import prepare_replan, replan_choices
 from planner.solver.planning import make_plan, solve
 from planner.tracing.graph import OpGraph
 from planner.tracing.moe import describe_routing
+from planner.tracing.parallel.live_layout import live_layout
 from planner.units import format_bytes
 
 __all__ = ["AutoHandle", "auto_checkpoint", "config_for", "plan_for"]
@@ -43,7 +47,16 @@ __all__ = ["AutoHandle", "auto_checkpoint", "config_for", "plan_for"]
 # deterministic time; on a 32-block model it bounds the worst re-plan seen (6.5 s) to 2.5 s with the
 # same predicted overhead.
 REPLAN_TIME_LIMIT_S = 1.0
-_CONFIG_FIELDS = ("precision", "optimizer", "zero_stage", "dp", "gpu", "grad_accum_steps", "moe_imbalance")
+_CONFIG_FIELDS = (
+    "precision",
+    "optimizer",
+    "zero_stage",
+    "dp",
+    "gpu",
+    "grad_accum_steps",
+    "moe_imbalance",
+    "loss_parallel",
+)
 _PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 # CUDA device names (torch.cuda.get_device_name) -> memplan device, longest match first.
 _GPU_NAMES = (("H200", "h200"), ("H100", "h100-80gb"), ("L40S", "l40s"), ("MI300X", "mi300x"))
@@ -95,26 +108,12 @@ def _gpu_of(model: nn.Module) -> str:
     raise MemplanError(f"memplan has no cost model for device '{name}'; pass gpu= one of {', '.join(DEVICES)}")
 
 
-def _refuse_sharded(model: nn.Module) -> None:
-    """A live trace copies whole parameters: a model already sharded (DTensor parameters from
-    parallelize_module, fully_shard or an expert-parallel plan) is planned another way."""
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise MemplanError(
-            "the model's parameters are already sharded (DTensor: parallelize_module or fully_shard ran); "
-            "call auto_checkpoint before fully_shard (with zero_stage=3, dp=N), and for tensor, context or "
-            "expert parallel make the plan per rank with `memplan plan --tp/--cp/--ep` and apply it with "
-            "apply_plan after parallelize_module"
-        )
-
-
 def config_for(model: nn.Module, inputs: tuple | dict, **config: Any) -> TrainConfig:
     """The TrainConfig of one step: shapes from the inputs, precision and gpu from the model unless given."""
     unknown = sorted(set(config) - set(_CONFIG_FIELDS))
     if unknown:
         raise MemplanError(f"unknown option(s) {', '.join(unknown)}; pass any of {', '.join(_CONFIG_FIELDS)}")
-    _refuse_sharded(model)
+    layout = live_layout(model)  # a model parallelize_module sharded is traced as this rank's share
     tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     if not tensors:
         raise MemplanError("the inputs hold no tensor; pass the example batch as a tuple or dict of tensors")
@@ -128,7 +127,7 @@ def config_for(model: nn.Module, inputs: tuple | dict, **config: Any) -> TrainCo
         config["precision"] = _PRECISION_OF_DTYPE[dtype]
     config.setdefault("gpu", _gpu_of(model))
     try:
-        return TrainConfig(batch_size=batch_size, seq_len=seq_len, **config)
+        return TrainConfig(batch_size=batch_size, seq_len=seq_len, tp=layout.tp if layout else 1, **config)
     except MemplanError:
         raise
     except ValueError as exc:
@@ -179,13 +178,14 @@ class AutoHandle:
         self._choices: dict[int, tuple[Plan, tuple[SpanChoice, ...]]] = {}  # id(plan) -> (plan, its choices)
         self.baseline_peak_bytes = baseline.peak_bytes
         self.model_states_bytes = sum(baseline.model_states.values())
-        self.budget_bytes = parse_budget(budget, self.baseline_peak_bytes)
+        self.budget_bytes = self._agreed(parse_budget(budget, self.baseline_peak_bytes))
         self.target_bytes = self.budget_bytes
         self.seq_len = config.seq_len  # the planned length whose plan is in force
         self.last_seq_len: int | None = None  # the last training batch's length (when following)
         self._events: list[dict[str, Any]] = []
         self._in_force = self.plan_at(config.seq_len)
         self.solve_options["time_limit_s"] = replan_time_limit_s
+        self._check_alike(self._in_force)
         self._applied: PlanHandle = apply_plan(model, self._in_force)
         self._installed = self._in_force
         self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
@@ -296,11 +296,44 @@ class AutoHandle:
         return self._in_force
 
     # -- following the batch ----------------------------------------------------------------
+    # -- tensor-parallel ranks plan alike ---------------------------------------------------------
+    def _agreed(self, *values: int) -> Any:
+        """The smallest of each value over the model's tensor-parallel group (the values unchanged
+        without one): its ranks recompute together, so they must solve for one target."""
+        layout = self.tracer.layout
+        if layout is None:
+            return values[0] if len(values) == 1 else values
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(layout.group) == "nccl" else None
+        agreed = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=layout.group)
+        out = tuple(int(v) for v in agreed.tolist())
+        return out[0] if len(out) == 1 else out
+
+    def _check_alike(self, plan: Plan) -> None:
+        """Every tensor-parallel rank installs the same decisions (a recompute's collectives run on all
+        of them); ranks whose traces differ (uneven shards) and solved differently stop here, in one line."""
+        layout = self.tracer.layout
+        if layout is None:
+            return
+        digest = hashlib.sha256(json.dumps(plan.decisions, sort_keys=True, default=str).encode()).hexdigest()
+        digests: list[str | None] = [None] * layout.tp
+        dist.all_gather_object(digests, digest, group=layout.group)
+        if len(set(digests)) > 1:
+            raise MemplanError(
+                "the tensor-parallel ranks solved different plans (their shards differ); make one plan with "
+                "`memplan plan --tp N` and apply it with apply_plan on every rank"
+            )
+
     def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not torch.is_grad_enabled():
             return  # evaluation saves nothing for backward: any plan will do
+        seq_len = batch_seq_len(args, kwargs) if self.follow else 0
+        if self.tracer.layout is not None:  # a change on one rank (a monitor's target) is made on all
+            target, minus_len = self._agreed(self.target_bytes, -seq_len)
+            seq_len = -minus_len
+            if target != self.target_bytes:
+                self.set_target(target)
         if self.follow:
-            seq_len = batch_seq_len(args, kwargs)
             self.last_seq_len = seq_len
             bucket = self.bucket_for(seq_len)
             traced = bucket is None
@@ -329,6 +362,7 @@ class AutoHandle:
     def install(self) -> None:
         """Put the plan in force on the model now: between steps, or just before a forward."""
         if self._in_force is not self._installed:
+            self._check_alike(self._in_force)
             self._applied.use_plan(self._in_force)
             self._installed = self._in_force
 
@@ -398,6 +432,7 @@ def _trace_all(
         blocks=blocks,
         moe_imbalance=train_config.moe_imbalance,
         gpu=train_config.gpu,
+        loss_parallel=train_config.loss_parallel,
     )
     graphs = {train_config.seq_len: tracer.trace(inputs)}
     lengths = [n for n, _ in seq_lens.buckets] if isinstance(seq_lens, PlanLadder) else list(seq_lens)
@@ -447,12 +482,15 @@ def auto_checkpoint(
     `config`: TrainConfig fields (precision, optimizer, zero_stage, dp, gpu, grad_accum_steps,
     moe_imbalance: the routing a mixture-of-experts trace assumes, stored in the plan's config as
     `moe_routing` and told by `handle.routing`);
+    loss_parallel: whether a tensor-parallel step computes its loss under torch's loss_parallel());
     precision and gpu default to the model's dtype and device, shapes come from `inputs` (one
     micro-batch: with grad_accum_steps N the plan holds the gradients of N - 1 earlier ones). With `seq_lens` (a list or
     a PlanLadder's lengths) the handle follows the batch's sequence length (dim 1 of its first
     tensor with 2+ dims), and solves and caches a plan for any longer batch it meets.
     `time_limit_s` bounds the first solve; `replan_time_limit_s` every later one (set_budget, a
     monitor's switch, a new length), which runs between or inside training steps.
+    Call it after ``parallelize_module`` and before ``fully_shard`` (torchtitan's order): a
+    tensor-parallel model is traced as this rank's share, and the ranks of its group plan alike.
     """
     train_config, tracer, graphs = _trace_all(model, inputs, seq_lens, blocks, config)
     follow = bool(list(seq_lens.buckets) if isinstance(seq_lens, PlanLadder) else list(seq_lens))

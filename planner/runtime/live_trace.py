@@ -3,18 +3,24 @@
 The copy is made once: parameters and buffers become fake CPU tensors of the same shapes, strides
 and dtypes, wherever the real ones live (meta included). Each batch is copied as fake tensors, its
 small integer tensors (ids, positions, masks) keeping real values that answer data-dependent
-checks, as planner.tracing.recorder.trace does for specs.
+checks, as planner.tracing.recorder.trace does for specs. A model that ``parallelize_module``
+sharded keeps its DTensors' meshes and placements around fake local shards, so the trace is this
+rank's (planner/tracing/parallel/live_layout.py).
 """
 
 from __future__ import annotations
 
 import copy
+import types
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from costmodels.hardware import get_device
@@ -27,6 +33,7 @@ from planner.tracing.attention import TargetAttention
 from planner.tracing.graph import OpGraph
 from planner.tracing.hf import disable_kv_cache, eager_transformers
 from planner.tracing.moe import RoutingAssumption
+from planner.tracing.parallel.live_layout import fake_dtensor, live_layout
 from planner.tracing.recorder import trace_model
 from planner.tracing.shadow import ShadowMode
 
@@ -53,6 +60,54 @@ def _outside_autocast() -> Iterator[None]:
             torch.autocast_increment_nesting()
 
 
+@contextmanager
+def _copying_live_model() -> Iterator[None]:
+    """Inside, a deep copy of a module shares its device meshes (and their process groups) and
+    copies functions' closures and default arguments: a forward replaced by a closure over the
+    module's own bound forward (transformers' tensor-parallel styles, a user's wrapper) then calls
+    the copy, not the original, whose real parameters a trace would not see."""
+    own_mesh_copy = DeviceMesh.__dict__.get("__deepcopy__")
+    own_function_copy = copy._deepcopy_dispatch[types.FunctionType]
+    DeviceMesh.__deepcopy__ = lambda self, memo: self  # type: ignore[method-assign]
+    copy._deepcopy_dispatch[types.FunctionType] = _copy_function
+    try:
+        yield
+    finally:
+        copy._deepcopy_dispatch[types.FunctionType] = own_function_copy
+        if own_mesh_copy is None:
+            del DeviceMesh.__deepcopy__
+        else:
+            DeviceMesh.__deepcopy__ = own_mesh_copy  # type: ignore[method-assign]
+
+
+def _copy_function(fn: types.FunctionType, memo: dict[int, Any]) -> types.FunctionType:
+    """A function with its closure's contents and default arguments deep-copied (one with neither is itself)."""
+    if not fn.__closure__ and not fn.__defaults__ and not fn.__kwdefaults__:
+        return fn
+    cells = tuple(types.CellType() for _ in fn.__closure__ or ())
+    copied = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, None, cells or None)
+    memo[id(fn)] = copied
+    copied.__defaults__ = copy.deepcopy(fn.__defaults__, memo)
+    copied.__kwdefaults__ = copy.deepcopy(fn.__kwdefaults__, memo)
+    copied.__dict__.update(fn.__dict__)
+    for old, new in zip(fn.__closure__ or (), cells):
+        try:
+            contents = old.cell_contents
+        except ValueError:  # a cell not filled yet
+            continue
+        new.cell_contents = copy.deepcopy(contents, memo)
+    return copied
+
+
+def _fake_state(t: torch.Tensor) -> torch.Tensor:
+    """A fake CPU tensor (a DTensor: around a fake local shard) like a parameter or buffer; call under the fake mode."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    fake = torch.empty_strided(tuple(local.shape), tuple(local.stride()), dtype=local.dtype, device="cpu")
+    if isinstance(t, DTensor):
+        fake = fake_dtensor(t, fake)
+    return nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+
+
 class LiveTracer:
     """Traces a live model at the shapes of real batches, on a fake copy made once (no real memory)."""
 
@@ -65,6 +120,7 @@ class LiveTracer:
         blocks: Sequence[str] = (),
         moe_imbalance: float = 1.0,
         gpu: str = "cpu",
+        loss_parallel: bool = True,
     ) -> None:
         if any(getattr(m.__dict__.get("forward"), "_memplan_wrapper", False) for m in model.modules()):
             raise MemplanError("this model already has a memplan plan applied; call remove() on its handle first")
@@ -82,16 +138,16 @@ class LiveTracer:
         self.fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
         self.routing = RoutingAssumption(moe_imbalance)  # mixture-of-experts routing (tracing/moe.py)
         self.shadow = ShadowMode(self.fake_mode, route=self.routing)
+        self.layout = live_layout(model)
+        self.loss_parallel = loss_parallel
         memo: dict[int, Any] = {}
         with _disable_current_modes():  # a monitor's live-bytes counter must not see the copy
             with self.fake_mode:
                 for t in [*model.parameters(), *model.buffers()]:
-                    fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
-                    memo[id(t)] = (
-                        nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
-                    )
+                    memo[id(t)] = _fake_state(t)
             try:
-                self.fake_model = copy.deepcopy(model, memo)
+                with _copying_live_model():
+                    self.fake_model = copy.deepcopy(model, memo)
             except Exception as exc:
                 raise TraceError(
                     f"cannot copy the model for tracing ({type(exc).__name__}: {exc}); "
@@ -100,6 +156,11 @@ class LiveTracer:
         disable_kv_cache(self.fake_model)
         self.fake_model.train()
         self.fake_inputs: dict[int, tuple | dict] = {}  # seq_len -> the fake batch last traced there
+
+    def _step_context(self) -> AbstractContextManager:
+        """torch's loss_parallel() around a tensor-parallel step that computes its loss on
+        vocabulary-sharded logits (the user's step does; plain logits are untouched by it)."""
+        return loss_parallel() if self.layout is not None and self.loss_parallel else nullcontext()
 
     def _fake(self, t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor):
@@ -127,6 +188,7 @@ class LiveTracer:
             stack.enter_context(eager_transformers())
             if self.target.is_cuda:
                 stack.enter_context(TargetAttention(self.target))
+            stack.enter_context(self._step_context())
             graph = trace_model(
                 self.fake_model, fake_inputs, precision=precision or self.precision, name=self.name, blocks=self.blocks
             )
@@ -136,6 +198,8 @@ class LiveTracer:
         args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
         seq_len = batch_seq_len(args, kwargs) if any(t.dim() >= 2 for t in tensors) else 1
         graph.meta.update(batch_size=int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 1, seq_len=seq_len)
+        if self.layout is not None:
+            graph.meta.update(self.layout.meta())
         if self.routing.routers:  # as planner.tracing.recorder.trace: the routers of one forward
             self.routing.routers = sum(op.name == "aten.topk.default" for op in graph.ops[: graph.backward_start])
             graph.meta["moe"] = self.routing.to_dict()

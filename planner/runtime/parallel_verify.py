@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import queue as queue_module
 import tempfile
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -76,9 +77,12 @@ def _mesh(config: TrainConfig) -> DeviceMesh:
     return init_device_mesh("cpu", (config.dp, config.cp, config.tp), mesh_dim_names=("dp", "cp", "tp"))
 
 
-def build_parallel_model(spec: str, config: TrainConfig, plan=None, seed: int = 0) -> tuple[nn.Module, object]:
+def build_parallel_model(
+    spec: str, config: TrainConfig, plan=None, seed: int = 0, checkpoint: Callable | None = None
+) -> tuple[nn.Module, object]:
     """(model, inputs) of this rank: built from `seed`, in the config's dtype, TP-sharded, with the
-    plan applied and, with ``--zero 3``, fully sharded over the dp (× cp) submesh."""
+    plan applied (or ``checkpoint(model, inputs)`` called at that step: a live planner such as
+    auto_checkpoint) and, with ``--zero 3``, fully sharded over the dp (× cp) submesh."""
     torch.manual_seed(seed)
     model, inputs = resolve_spec(spec).build(batch_size=config.batch_size, seq_len=config.seq_len)
     model.to(get_precision(config.precision).param_dtype)
@@ -94,6 +98,8 @@ def build_parallel_model(spec: str, config: TrainConfig, plan=None, seed: int = 
         experts = expert_paths(model)
     if plan is not None:
         apply_plan(model, plan)
+    if checkpoint is not None:
+        checkpoint(model, inputs)
     if config.shard_ranks > 1 and config.zero_stage == 3:
         for path in experts:  # torchtitan: the experts over the dp / ep ranks holding the same ones, first
             fully_shard(model.get_submodule(path), mesh=sparse["edp"], **fsdp_kwargs(config))

@@ -185,6 +185,12 @@ class OpRecorder(TorchDispatchMode):
 
     # -- module attribution (forward and backward hooks of a ModTracker) ---------------------
     def _enter(self, module: nn.Module, *_) -> None:
+        owns_parameters = isinstance(module, nn.Module) and next(module.parameters(recurse=False), None) is not None
+        if owns_parameters and id(module) not in self.fqn:
+            raise TraceError(
+                f"the forward calls a {type(module).__name__} with parameters that is not part of the traced model "
+                "(a forward replaced by a closure over another model's module?); its parameters would go uncounted"
+            )
         name = self.fqn.get(id(module), "")
         self.active.append(name)
         if self.phase == "forward":

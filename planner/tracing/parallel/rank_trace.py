@@ -19,7 +19,6 @@ are one role.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -103,7 +102,8 @@ def mesh_groups(*meshes: DeviceMesh | None) -> dict[str, tuple[int, int]]:
         shape = tuple(mesh.shape)
         for k, dim in enumerate(mesh.mesh_dim_names or ()):
             if shape[k] > 1:
-                groups[mesh[dim].get_group().group_name] = (shape[k], math.prod(shape[k + 1 :]))
+                members = mesh.mesh.movedim(k, -1).reshape(-1, shape[k])[0]
+                groups[mesh[dim].get_group().group_name] = (shape[k], int(members[1] - members[0]))
     return groups
 
 

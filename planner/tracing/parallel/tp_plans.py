@@ -77,13 +77,13 @@ class _ReplicateFirstInput(ParallelStyle):
     forward, not in a pre-hook, so a plan that checkpoints the module recomputes it, as simulated."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        forward = module.forward
-
-        def gathered_forward(x, *args, **kwargs):
-            return forward(_gathered(x, device_mesh), *args, **kwargs)
-
-        module.forward = gathered_forward
+        # a partial of the bound forward: a deep copy of the model (a live trace's) calls its own copy
+        module.forward = partial(_gathered_forward, module.forward, device_mesh)
         return module
+
+
+def _gathered_forward(forward: Callable, device_mesh: DeviceMesh, x, *args, **kwargs):
+    return forward(_gathered(x, device_mesh), *args, **kwargs)
 
 
 class _MoeLayerParallel(ParallelStyle):
@@ -99,16 +99,15 @@ class _MoeLayerParallel(ParallelStyle):
         self.sequence_parallel = sequence_parallel
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        forward, seq = module.forward, self.sequence_parallel
-
-        def moe_forward(x, *args, **kwargs):
-            if seq or isinstance(x, DTensor):
-                x = _gathered(x, device_mesh).to_local()
-            out = DTensor.from_local(forward(x, *args, **kwargs), device_mesh, (Partial(),), run_check=False)
-            return out.redistribute(placements=(Shard(1),) if seq else (Replicate(),)).to_local()
-
-        module.forward = moe_forward
+        module.forward = partial(_moe_forward, module.forward, device_mesh, self.sequence_parallel)
         return module
+
+
+def _moe_forward(forward: Callable, device_mesh: DeviceMesh, sequence_parallel: bool, x, *args, **kwargs):
+    if sequence_parallel or isinstance(x, DTensor):
+        x = _gathered(x, device_mesh).to_local()
+    out = DTensor.from_local(forward(x, *args, **kwargs), device_mesh, (Partial(),), run_check=False)
+    return out.redistribute(placements=(Shard(1),) if sequence_parallel else (Replicate(),)).to_local()
 
 
 def _child(module: nn.Module, names: tuple[str, ...]) -> tuple[str, nn.Module] | None:
