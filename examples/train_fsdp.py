@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 2 examples/train_fsdp.py
     torchrun --standalone --nproc-per-node 2 examples/train_fsdp.py --model gpt2-tiny --reshard-after-forward false
     torchrun --standalone --nproc-per-node 4 examples/train_fsdp.py --tp 2          # dp 2 x tp 2
+    torchrun --standalone --nproc-per-node 4 examples/train_fsdp.py --tp 2 --auto   # each rank plans itself
 
 gloo on CPU, nccl on CUDA. Rank 0 traces the model on fake tensors (before the process group
 starts: tensor parallel is traced under a fake one), simulates every rank of the `--zero 3`
@@ -10,7 +11,8 @@ step over `--dp` = ranks / `--tp` and solves a plan for a budget `--fraction` of
 model states to the worst rank's no-plan peak (or loads `--plan`); it broadcasts the plan JSON.
 Every rank then builds the model and composes as torchtitan does: the tensor-parallel plan on the
 ``tp`` mesh dimension, then the memplan plan (activation checkpointing), then ``fully_shard`` on
-each block and the root over ``dp``. It trains a few steps (under ``loss_parallel()`` with
+each block and the root over ``dp``. With ``--auto`` each rank plans at the checkpointing step
+itself: ``auto_checkpoint`` on its tensor-parallel model, for the same budget. It trains a few steps (under ``loss_parallel()`` with
 ``--tp``) and reports its peak: live tensor bytes on CPU, ``torch.cuda.max_memory_allocated`` on CUDA.
 """
 
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from planner import apply_plan, load_plan, resolve_spec
+from planner import apply_plan, auto_checkpoint, load_plan, resolve_spec
 from planner.api import plan_model, simulate_layout
 from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget
@@ -48,17 +50,21 @@ def parse_args() -> argparse.Namespace:
         help="budget: this fraction of the way from model states to the no-plan peak",
     )
     p.add_argument("--plan", help="load this plan instead of solving one")
+    p.add_argument("--auto", action="store_true", help="each rank plans its own model with auto_checkpoint")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (sequence and loss parallel on)")
     p.add_argument("--reshard-after-forward", default="true", choices=["true", "false"])
     p.add_argument("--steps", type=int, default=3, help="measured training steps after one warm-up step")
     return p.parse_args()
 
 
-def make_plan(spec: str, config: TrainConfig, fraction: float, plan_path: str | None) -> dict:
-    """Rank 0: the plan as JSON, with the worst rank's no-plan peak and every rank's prediction."""
+def make_plan(spec: str, config: TrainConfig, fraction: float, plan_path: str | None, auto: bool) -> dict:
+    """Rank 0: the plan as JSON, with the worst rank's no-plan peak and every rank's prediction
+    (with `auto`, only the budget and the no-plan peak: each rank plans itself)."""
     base = simulate_layout(spec, config)
     states = sum(base.worst.timeline.model_states.values())
     budget = int(states + fraction * (base.peak_bytes - states))
+    if auto:
+        return {"budget": budget, "baseline": base.peak_bytes}
     if plan_path:
         plan = load_plan(plan_path)
     else:
@@ -108,7 +114,7 @@ def main() -> None:
         reshard_after_forward=args.reshard_after_forward == "true",
     )
     # Rank 0 plans before the real process group starts: tensor parallel is traced under a fake one.
-    payload = [make_plan(args.model, config, args.fraction, args.plan) if rank == 0 else None]
+    payload = [make_plan(args.model, config, args.fraction, args.plan, args.auto) if rank == 0 else None]
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -127,7 +133,18 @@ def main() -> None:
     units = find_region_paths(model)
     if config.tp > 1:
         tp_plan_for(config)(model, mesh["tp"])
-    apply_plan(model, load_plan(shared["plan"]))  # after TP, before fully_shard, as torchtitan orders them
+    # after TP, before fully_shard, as torchtitan orders them
+    if args.auto:
+        options = {"zero_stage": 3, "dp": config.dp, "reshard_after_forward": config.reshard_after_forward}
+        try:
+            handle = auto_checkpoint(model, inputs, shared["budget"], **options)
+        except InfeasibleBudget as e:  # as make_plan: FSDP2's own buffers are out of any plan's reach
+            shared["budget"] = e.smallest_peak_bytes
+            handle = auto_checkpoint(model, inputs, shared["budget"], **options)
+        shared["predicted"] = [None] * world
+        dist.all_gather_object(shared["predicted"], handle.plan.predicted.peak_bytes)
+    else:
+        apply_plan(model, load_plan(shared["plan"]))
     if config.dp > 1:
         shard_model(model, units, config, mesh=mesh["dp"])
     if cuda:

@@ -16,11 +16,12 @@ _RANK_LINE = re.compile(r"^rank (\d+): measured peak .* \((\d+) B\), predicted .
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_train_fsdp_with_tensor_parallel_predicts_every_rank():
-    """dp 2 x tp 2 with a plan: every rank within 1% of its prediction."""
+@pytest.mark.parametrize("planner", [[], ["--auto"]], ids=["rank0-plan", "auto-checkpoint"])
+def test_train_fsdp_with_tensor_parallel_predicts_every_rank(planner):
+    """dp 2 x tp 2 with a plan (rank 0's, or each rank's auto_checkpoint): every rank within 1% of its prediction."""
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(EXAMPLE)]
-        + ["--tp", "2", "--steps", "2"],
+        + ["--tp", "2", "--steps", "2", *planner],
         capture_output=True,
         text=True,
         timeout=600,

@@ -56,6 +56,7 @@ _CONFIG_FIELDS = (
     "grad_accum_steps",
     "moe_imbalance",
     "loss_parallel",
+    "reshard_after_forward",
 )
 _PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 # CUDA device names (torch.cuda.get_device_name) -> memplan device, longest match first.
