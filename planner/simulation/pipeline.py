@@ -102,13 +102,20 @@ def _evaluate(
 ):
     cuts = cut_stages(graph, counts)
     effects = stage_effects(graph, config, cuts, choices)
+    split = sorted({e.stage for e in effects} & schedule.split_stages)
+    if split:
+        raise MemplanError(
+            f"{schedule.name} splits the backward of stage {split[0]}: torch recomputes a checkpointed block there "
+            "once per weight group in W, which costs more memory than it saves; plan with memplan plan --pp "
+            "(it recomputes only where a stage's backward is one call)"
+        )
     stages = stage_programs(graph, config, cuts, effects)
     per_stage = stage_times(graph, cuts, op_times(graph, get_device(config.gpu)))
-    if effects:  # a recompute runs in its stage's backward
+    if effects:  # a recompute runs in its stage's backward: B, or stage 0's W under a split backward
         extra = [0.0] * len(cuts)
         for e in effects:
             extra[e.stage] += e.effect.recompute_s
-        per_stage = {**per_stage, "B": tuple(b + x for b, x in zip(per_stage["B"], extra))}
+        per_stage = {**per_stage, **{k: tuple(t + x for t, x in zip(per_stage[k], extra)) for k in ("B", "W")}}
     timing = pipeline_time(schedule, per_stage)
     replays = [replay_rank(graph, config, stages, schedule, r, timing.step_s) for r in range(schedule.pp)]
     return cuts, timing, replays
@@ -165,11 +172,6 @@ def simulate_pipeline(graph: OpGraph, config: TrainConfig, choices: Sequence[Spa
     `choices`: recompute span choices inside stages (a plan per stage, resolved on `graph`)."""
     _check(graph, config)
     schedule = pipeline_schedule(config)
-    if choices and any(a.kind in ("I", "W") for r in range(schedule.pp) for a in schedule.compute(r)):
-        raise MemplanError(
-            f"plans per stage cover schedules without a split backward for now, not {config.pp_schedule}; "
-            "simulate it without --plan"
-        )
     if config.pp_split.strip() == "auto":
         counts = auto_split_path(graph, config)[-1]
     else:

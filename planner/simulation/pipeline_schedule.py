@@ -61,6 +61,20 @@ class PipelineSchedule:
         """The stage indices rank `rank` computes, ascending."""
         return tuple(sorted({a.stage for a in self.actions[rank] if a.kind in COMPUTE_KINDS}))
 
+    @property
+    def split_stages(self) -> frozenset[int]:
+        """Stages past the first whose backward runs as I (input gradients) then W (weight
+        gradients). torch's W calls backward once per weight group, and its checkpoint recomputes
+        once per call, so a block recomputed there runs its forward again for every group (each
+        copy held to W's end: measured, 3.5x the block's saved bytes on a Llama layer); stage 0's
+        backward is one call (its I does nothing, W is the whole backward)."""
+        return frozenset(a.stage for r in range(self.pp) for a in self.compute(r) if a.kind == "I" and a.stage > 0)
+
+    def recompute_runs(self, stage: int) -> int:
+        """Times one step runs a recompute inside `stage`: once per backward, a full one (B) or stage
+        0's W under a split backward."""
+        return sum(a.kind in ("B", "W") for r in range(self.pp) for a in self.compute(r) if a.stage == stage)
+
     def compute(self, rank: int) -> tuple[PipelineAction, ...]:
         """Rank `rank`'s forward and backward actions only (computed once per rank)."""
         if rank not in self._compute:

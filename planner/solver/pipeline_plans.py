@@ -11,8 +11,9 @@ so one linear constraint per distinct row is exact; CP-SAT picks one option per 
 the recompute seconds of the rank, each rank on its own (its stages are its own). The result is
 checked by replaying every rank with the chosen choices, as ``simulate --pp --plan`` does.
 
-Schedules with a split backward (zero-bubble, DualPipeV) are refused for now: their I step keeps
-what W needs, which a recompute's replay would have to be placed in as well.
+Under a split backward (zero-bubble, DualPipeV) only stage 0 recomputes: on a later stage torch's W
+would run a checkpointed block's forward again for every weight group
+(:attr:`PipelineSchedule.split_stages`); stage 0's recompute runs once per W.
 """
 
 from __future__ import annotations
@@ -62,7 +63,6 @@ __all__ = [
     "uniform_choices",
 ]
 
-SPLIT_BACKWARD = ("I", "W")
 AUTO_SPLITS_TRIED = 6  # splits of --pp-split auto planned and compared (spread over its path)
 
 
@@ -130,11 +130,6 @@ class PipelinePlan:
 
 def _setup(graph: OpGraph, config: TrainConfig):
     schedule = pipeline_schedule(config)
-    if any(a.kind in SPLIT_BACKWARD for r in range(schedule.pp) for a in schedule.compute(r)):
-        raise MemplanError(
-            f"per-stage plans cover schedules without a split backward for now (gpipe, 1f1b, interleaved-1f1b, "
-            f"looped-bfs), not {config.pp_schedule}; simulate it with memplan simulate --pp"
-        )
     base = simulate_pipeline(graph, config)  # checks the layout, resolves --pp-split (auto included)
     cuts = cut_stages(graph, base.blocks_per_stage)
     return schedule, cuts, base
@@ -148,9 +143,9 @@ def evaluate_pipeline(
     result = simulate_pipeline(graph, config.with_(pp_split=",".join(str(c.num_blocks) for c in cuts)), choices)
     schedule = result.schedule
     effects = stage_effects(graph, config, cuts, choices)
-    m = schedule.microbatches
     per_rank = tuple(
-        m * sum(e.effect.recompute_s for e in effects if e.stage in schedule.stages(r)) for r in range(schedule.pp)
+        sum(e.effect.recompute_s * schedule.recompute_runs(e.stage) for e in effects if e.stage in schedule.stages(r))
+        for r in range(schedule.pp)
     )
     return PipelineEvaluation(tuple(r.peak_bytes for r in result.layout.roles), per_rank, result.time.step_s)
 
@@ -178,7 +173,9 @@ def _solve_rank(base: np.ndarray, deltas: list[list[np.ndarray | None]], costs, 
     """CP-SAT: one option per block, every row of base + chosen deltas <= budget, least seconds."""
     flat = [(r, k) for r, row in enumerate(deltas) for k, d in enumerate(row) if d is not None]
     if not flat:
-        return ("OPTIMAL" if base.max() <= budget else "INFEASIBLE"), [0] * len(deltas), 0.0, 0.0
+        if base.max() > budget:
+            return "INFEASIBLE", None, 0.0, 0.0
+        return "OPTIMAL", [0] * len(deltas), 0.0, 0.0
     matrix = np.stack([deltas[r][k] for r, k in flat], axis=1)  # (rows, options)
     moving = np.any(matrix != 0, axis=1)
     if base[~moving].max(initial=0) > budget:
@@ -241,9 +238,17 @@ def solve_pipeline(
         raise MemplanError(f"modules both kept and recomputed: {', '.join(sorted(keep_set & force_set))}")
     times = op_times(graph, get_device(config.gpu))
     spans = block_spans(graph)
+    stage_of_block = [int(next(c.index for c in cuts if c.fwd_start <= s.fwd_start < c.fwd_end)) for s in spans]
     options, effects = [], []
-    for span in spans:
+    for span, stage in zip(spans, stage_of_block):
         opts = [o for o in block_options(graph, span, times, None) if span.path not in keep_set or o.choice is None]
+        if stage in schedule.split_stages:  # W would recompute once per weight group (PipelineSchedule.split_stages)
+            if span.path in force_set:
+                raise MemplanError(
+                    f"--recompute '{span.path}': {schedule.name} splits the backward of stage {stage}, where a "
+                    "recompute costs more memory than it saves; recompute blocks of stage 0 only"
+                )
+            opts = [o for o in opts if o.choice is None]
         if span.path in force_set:
             opts = [o for o in opts if o.choice is not None and o.choice.span.path == span.path]
         options.append(opts)
@@ -251,7 +256,6 @@ def solve_pipeline(
     rows = replay_rows([e for row in effects for e in row if e is not None])
     base_stages = stage_programs(graph, config, cuts, rows=rows)
     step_without = baseline.time.step_s
-    stage_of_block = [int(next(c.index for c in cuts if c.fwd_start <= s.fwd_start < c.fwd_end)) for s in spans]
     ranks: list[RankPlan] = []
     for r in range(schedule.pp):
         t0 = time.perf_counter()
@@ -270,7 +274,7 @@ def solve_pipeline(
                 without = stage_programs(graph, config, cuts, only=e.moved, rows=rows)
                 d = replay_rank(graph, config, _diff(with_, without), schedule, r, 0.0)[0].total
                 row_d.append(d)
-                row_c.append(e.effect.recompute_s * schedule.microbatches)
+                row_c.append(e.effect.recompute_s * schedule.recompute_runs(e.stage))
             if all(d is None for d in row_d):
                 row_d = [None]
                 row_c = [0.0]
@@ -287,8 +291,13 @@ def solve_pipeline(
             raise InfeasibleBudget(
                 f"budget {format_bytes(budget_bytes)} is infeasible for pp rank {r} (stages "
                 f"{','.join(map(str, sorted(own)))}, {baseline.in_flight[r]} microbatches in flight): the smallest "
-                f"peak memplan reaches there is {format_bytes(int(least.max()))}; raise --budget, add stages "
-                "(--pp), or cut model states (--precision bf16-mixed, --zero 3 --dp N)",
+                f"peak memplan reaches there is {format_bytes(int(least.max()))}"
+                + (
+                    f" ({schedule.name} splits the backward of stages past the first: they recompute nothing)"
+                    if own & schedule.split_stages
+                    else ""
+                )
+                + "; raise --budget, add stages (--pp), or cut model states (--precision bf16-mixed, --zero 3 --dp N)",
                 smallest_peak_bytes=int(least.max()),
             )
         chosen = [(options[b][k], effects[b][k]) for b, k in zip(blocks, picks) if k < len(options[b])]
@@ -300,7 +309,9 @@ def solve_pipeline(
                 in_flight=baseline.in_flight[r],
                 peak_without=baseline.layout.roles[r].peak_bytes,
                 peak_with=int(np.max(modelled)),
-                recompute_s=sum(e.effect.recompute_s for _, e in chosen if e is not None) * schedule.microbatches,
+                recompute_s=sum(
+                    e.effect.recompute_s * schedule.recompute_runs(e.stage) for _, e in chosen if e is not None
+                ),
                 choices=tuple(o.choice for o, _ in chosen if o.choice is not None),
                 option_names=tuple(o.name for o, _ in chosen),
                 status=status,
@@ -366,7 +377,8 @@ def _local(path: str, block: str) -> str:
 
 def uniform_choices(graph: OpGraph, config: TrainConfig, plan: PipelinePlan) -> list[SpanChoice]:
     """One plan for all stages: the choices of the stage that recomputes the most, repeated on every
-    stage's blocks by position (the k-th block of each stage treated as that stage's k-th block)."""
+    stage's blocks by position (the k-th block of each stage treated as that stage's k-th block);
+    stages whose backward the schedule splits recompute nothing (PipelineSchedule.split_stages)."""
     times = op_times(graph, get_device(config.gpu))
     spans = block_spans(graph)
     by_stage = [[s for s in spans if c.fwd_start <= s.fwd_start < c.fwd_end] for c in plan.cuts]
@@ -379,7 +391,9 @@ def uniform_choices(graph: OpGraph, config: TrainConfig, plan: PipelinePlan) -> 
         )
         names.append(picked)
     out = []
-    for blocks in by_stage:
+    for stage, blocks in enumerate(by_stage):
+        if stage in plan.schedule.split_stages:
+            continue
         for k, span in enumerate(blocks):
             src = names[min(k, len(names) - 1)] if names else None
             if src is None:
@@ -409,14 +423,13 @@ def _keep_keys(graph: OpGraph, choice: SpanChoice) -> tuple[str, ...]:
 
 def stage_plans(graph: OpGraph, config: TrainConfig, plan: PipelinePlan, strategy: str = "optimal") -> StagePlans:
     """The plan file: one Plan per stage (its blocks' decisions; the rank's predicted peaks)."""
-    m = plan.schedule.microbatches
     out = []
     for rp in plan.ranks:
         for s in rp.stages:
             c = plan.cuts[s]
             own = [ch for ch in rp.choices if c.fwd_start <= ch.span.fwd_start < c.fwd_end]
             effects = stage_effects(graph, config, plan.cuts, own)
-            recompute_s = m * sum(e.effect.recompute_s for e in effects)
+            recompute_s = sum(e.effect.recompute_s * plan.schedule.recompute_runs(e.stage) for e in effects)
             regions = sorted(graph.regions, key=lambda r: r.fwd_start)[c.block_start : c.block_end]
             p = StagePlan(
                 stage=s,
@@ -429,7 +442,7 @@ def stage_plans(graph: OpGraph, config: TrainConfig, plan: PipelinePlan, strateg
     return StagePlans(
         schedule=plan.schedule.name,
         pp=plan.schedule.pp,
-        microbatches=m,
+        microbatches=plan.schedule.microbatches,
         budget_bytes=plan.budget_bytes,
         stages=tuple(sorted(out, key=lambda p: p.stage)),
     )
@@ -446,7 +459,7 @@ def _stage_plan(graph, config, plan: PipelinePlan, rp: RankPlan, own, recompute_
         predicted=Predicted(
             peak_bytes=rp.peak_with,
             baseline_peak_bytes=rp.peak_without,
-            recompute_flops=plan.schedule.microbatches * sum(e.effect.recompute_flops for e in effects),
+            recompute_flops=sum(e.effect.recompute_flops * plan.schedule.recompute_runs(e.stage) for e in effects),
             recompute_s=recompute_s,
             offload_bytes=0,
             exposed_offload_s=0.0,
