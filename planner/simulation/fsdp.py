@@ -102,13 +102,19 @@ def expert_params(graph: OpGraph) -> frozenset[int]:
     return memo("expert_params", graph, (), find)
 
 
+def expert_state_shape(local_shape: tuple[int, ...], ep: int) -> tuple[int, ...]:
+    """The shape whose ZeRO-3 shard a rank keeps of an expert parameter: its local experts times ep
+    (FSDP2 shards them over the dp / ep ranks that hold the same experts)."""
+    return (local_shape[0] * ep, *local_shape[1:]) if local_shape else local_shape
+
+
 def state_shape(graph: OpGraph, tensor_id: int, zero_stage: int) -> tuple[int, ...]:
-    """The shape whose ZeRO-3 shard a rank keeps of a traced parameter: an expert parameter's whole
-    (its local experts times ep, sharded over dp / ep ranks), any other as traced."""
+    """The shape whose ZeRO-3 shard a rank keeps of a traced parameter: an expert parameter's
+    (expert_state_shape), any other as traced."""
     shape = tuple(graph.tensors[tensor_id].shape)
     ep = int(graph.meta.get("ep", 1))
-    if zero_stage == 3 and ep > 1 and shape and tensor_id in expert_params(graph):
-        return (shape[0] * ep, *shape[1:])
+    if zero_stage == 3 and ep > 1 and tensor_id in expert_params(graph):
+        return expert_state_shape(shape, ep)
     return shape
 
 

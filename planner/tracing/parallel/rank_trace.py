@@ -119,20 +119,6 @@ def ep_role_keys(routing: RoutingAssumption, ep: int) -> list[tuple]:
     return [tuple(sorted(counts[j * local : (j + 1) * local], reverse=True)) for j in range(ep)]
 
 
-def _state_shapes(model: nn.Module, ep: int) -> list[tuple[int, ...]]:
-    """Parameter shapes whose ZeRO-3 shards each rank keeps 1/dp of: an expert-sharded parameter
-    counts its local experts ep times (they are sharded over the dp / ep ranks holding them), any
-    other its local (tensor-parallel) shard."""
-    out = []
-    for p in model.parameters():
-        if not isinstance(p, DTensor):
-            out.append(tuple(p.shape))
-            continue
-        local = tuple(p.to_local().shape)
-        out.append((local[0] * ep, *local[1:]) if is_expert_param(p) else local)
-    return out
-
-
 def _local_shape(p: torch.Tensor, tp_index: int) -> tuple[int, ...]:
     """A parameter's local shape on TP rank `tp_index` (DTensor's torch.chunk split)."""
     if not isinstance(p, DTensor):
@@ -200,7 +186,7 @@ def trace_tp_rank(
                 plan(model, mesh["tp"])
             if sparse is not None:
                 ep_plan(model, sparse)
-                state_shapes = _state_shapes(model, config.ep)
+                expert_flags = tuple(is_expert_param(p) for p in model.parameters())
                 expert_shapes = [tuple(p.to_local().shape) for p in model.parameters() if is_expert_param(p)]
                 experts = expert_paths(model)
             keys = tp_role_keys(model, config)
@@ -220,7 +206,7 @@ def trace_tp_rank(
                 graph.meta.update(
                     ep=config.ep,
                     ep_plan=config.ep_plan,
-                    ep_state_param_shapes=state_shapes,
+                    ep_expert_params=expert_flags,
                     ep_expert_shapes=expert_shapes,
                     ep_expert_modules=experts,
                 )
