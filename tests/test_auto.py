@@ -232,3 +232,21 @@ def test_a_fully_sharded_model_is_refused_in_one_line():
         fully_shard(model)
         with pytest.raises(MemplanError, match="before fully_shard"):
             plan_for(model, inputs, "80%")
+
+
+def test_an_expert_parallel_model_is_refused_in_one_line():
+    """Experts sharded over an ep mesh are not a tensor-parallel layout: planned per rank by `memplan plan --ep`."""
+    from pathlib import Path
+
+    from planner.config import TrainConfig
+    from planner.tracing.parallel.ep_plans import resolve_ep_plan
+    from planner.tracing.parallel.rank_trace import ep_mesh, fake_process_group
+    from planner.tracing.specs import resolve_spec
+
+    config = TrainConfig(batch_size=2, seq_len=32, gpu="cpu", dp=2, ep=2)
+    with fake_process_group(0, 2):
+        model, inputs = resolve_spec(f"{Path(__file__).parent / 'ep_models.py'}:titan_moe").build(2, 32)
+        resolve_ep_plan(config.ep_plan)(model, ep_mesh(config))
+        with pytest.raises(MemplanError, match="memplan plan --ep") as info:
+            plan_for(model, inputs, "80%")
+    assert "\n" not in str(info.value)

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from planner.errors import MemplanError
+from planner.tracing.parallel.ep_plans import is_expert_param
 from planner.tracing.parallel.rank_trace import mesh_groups
 
 __all__ = ["LiveLayout", "fake_dtensor", "live_layout"]
@@ -57,12 +58,12 @@ def live_layout(model: nn.Module) -> LiveLayout | None:
             "fully_shard already ran on this model; call auto_checkpoint after parallelize_module and before "
             "fully_shard (torchtitan's order), with zero_stage=3 and dp=N for the sharding to come"
         )
-    if len(meshes) > 1 or any(m.ndim != 1 for m in meshes.values()):
+    if len(meshes) > 1 or any(m.ndim != 1 for m in meshes.values()) or any(map(is_expert_param, model.parameters())):
         names = sorted({str(m.mesh_dim_names) for m in meshes.values()})
         raise MemplanError(
-            f"the model's parameters are sharded over more than one tensor-parallel mesh ({', '.join(names)}); "
-            "auto_checkpoint plans a model sharded by parallelize_module over one mesh: for expert parallel make "
-            "the plan per rank with `memplan plan --ep` and apply it with apply_plan"
+            f"the model's parameters are sharded over an expert-parallel or more than one mesh ({', '.join(names)}); "
+            "auto_checkpoint plans a model sharded by parallelize_module over one tensor-parallel mesh: for expert "
+            "parallel make the plan per rank with `memplan plan --ep` and apply it with apply_plan"
         )
     (mesh,) = meshes.values()
     return LiveLayout(tp=mesh.size(), mesh=mesh, rank=dist.get_rank())
