@@ -234,19 +234,25 @@ def test_a_fully_sharded_model_is_refused_in_one_line():
             plan_for(model, inputs, "80%")
 
 
-def test_an_expert_parallel_model_is_refused_in_one_line():
-    """Experts sharded over an ep mesh are not a tensor-parallel layout: planned per rank by `memplan plan --ep`."""
+def test_an_expert_parallel_model_is_planned_as_its_rank_share():
+    """Experts sharded over an ep mesh: the live trace is this EP rank's share under the routing
+    assumption; rank 0, the busiest under --moe-imbalance 2, plans as `memplan plan --ep 2` does."""
     from pathlib import Path
 
+    from planner.api import plan_model
     from planner.config import TrainConfig
+    from planner.simulation.layout import simulate_ranks
     from planner.tracing.parallel.ep_plans import resolve_ep_plan
     from planner.tracing.parallel.rank_trace import ep_mesh, fake_process_group
     from planner.tracing.specs import resolve_spec
 
-    config = TrainConfig(batch_size=2, seq_len=32, gpu="cpu", dp=2, ep=2)
+    spec = f"{Path(__file__).parent / 'ep_models.py'}:titan_moe"
+    config = TrainConfig(batch_size=2, seq_len=64, gpu="cpu", dp=2, ep=2, moe_imbalance=2.0)
+    budget = int(0.85 * simulate_ranks(spec, config).peak_bytes)
+    want, _, _ = plan_model(spec, config, budget, time_limit_s=5.0)
     with fake_process_group(0, 2):
-        model, inputs = resolve_spec(f"{Path(__file__).parent / 'ep_models.py'}:titan_moe").build(2, 32)
+        model, inputs = resolve_spec(spec).build(2, 64)
         resolve_ep_plan(config.ep_plan)(model, ep_mesh(config))
-        with pytest.raises(MemplanError, match="memplan plan --ep") as info:
-            plan_for(model, inputs, "80%")
-    assert "\n" not in str(info.value)
+        got = plan_for(model, inputs, budget, dp=2, moe_imbalance=2.0, time_limit_s=5.0)
+    assert (got.config["ep"], got.config["dp"]) == (2, 2)
+    assert got.decisions == want.decisions and got.predicted.peak_bytes == want.predicted.peak_bytes

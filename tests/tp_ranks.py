@@ -65,7 +65,9 @@ def run_on_ranks(cases: list, world_size: int, timeout_s: float = TIMEOUT_S) -> 
 
 
 def _auto_worker(rank: int, world_size: int, init_file: str, cases: list, queue) -> None:
-    """auto_checkpoint on the TP-sharded model of each rank (before fully_shard, torchtitan's order)."""
+    """auto_checkpoint on the TP- (and EP-) sharded model of each rank (before fully_shard, torchtitan's order)."""
+    from ep_ranks import _grad_error as ep_grad_error
+
     from planner.runtime.auto import auto_checkpoint
 
     torch.set_num_threads(1)
@@ -75,11 +77,16 @@ def _auto_worker(rank: int, world_size: int, init_file: str, cases: list, queue)
             handles = []
 
             def checkpoint(model, inputs, config=config, budget=budget, handles=handles) -> None:
-                options = {"zero_stage": config.zero_stage, "dp": config.dp, "gpu": "cpu"}
+                options = {
+                    "zero_stage": config.zero_stage,
+                    "dp": config.dp,
+                    "gpu": "cpu",
+                    "moe_imbalance": config.moe_imbalance,
+                }
                 handles.append(auto_checkpoint(model, inputs, budget, loss_parallel=config.loss_parallel, **options))
 
             model, inputs = build_parallel_model(spec, config, checkpoint=checkpoint)
-            grad_error = _grad_error(spec, config, model, inputs)
+            grad_error = (ep_grad_error if config.ep > 1 else _grad_error)(spec, config, model, inputs)
             peak = measure_parallel_step(model, inputs, config).peak_bytes
             queue.put((key, rank, peak, grad_error, handles[0].plan.to_dict()))
     finally:

@@ -12,8 +12,6 @@ its own length (fake copies of that batch) and solved, and the plan is cached.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -28,7 +26,7 @@ from memplan_compat import tree_leaves, tree_map
 from planner.budgets import parse_budget
 from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget, MemplanError
-from planner.plans.format import Plan, PlanLadder, SolverInfo
+from planner.plans.format import Decision, Plan, PlanLadder, SolverInfo
 from planner.runtime.apply import PlanHandle, apply_plan, batch_seq_len
 from planner.runtime.live_trace import LiveTracer
 from planner.simulation.costs import StepCosts
@@ -128,7 +126,8 @@ def config_for(model: nn.Module, inputs: tuple | dict, **config: Any) -> TrainCo
         config["precision"] = _PRECISION_OF_DTYPE[dtype]
     config.setdefault("gpu", _gpu_of(model))
     try:
-        return TrainConfig(batch_size=batch_size, seq_len=seq_len, tp=layout.tp if layout else 1, **config)
+        parallel = {"tp": layout.tp, "ep": layout.ep} if layout else {}
+        return TrainConfig(batch_size=batch_size, seq_len=seq_len, **parallel, **config)
     except MemplanError:
         raise
     except ValueError as exc:
@@ -186,7 +185,8 @@ class AutoHandle:
         self._events: list[dict[str, Any]] = []
         self._in_force = self.plan_at(config.seq_len)
         self.solve_options["time_limit_s"] = replan_time_limit_s
-        self._check_alike(self._in_force)
+        self._agreed_plans: dict[tuple[int, int], Plan] = {}  # (length, target) -> the plan all ranks install
+        self._in_force = self._agree(self._in_force)
         self._applied: PlanHandle = apply_plan(model, self._in_force)
         self._installed = self._in_force
         self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
@@ -296,35 +296,65 @@ class AutoHandle:
         self.target_bytes = target
         return self._in_force
 
-    # -- following the batch ----------------------------------------------------------------
-    # -- tensor-parallel ranks plan alike ---------------------------------------------------------
+    # -- the ranks of a parallel model plan alike ----------------------------------------------------
     def _agreed(self, *values: int) -> Any:
-        """The smallest of each value over the model's tensor-parallel group (the values unchanged
-        without one): its ranks recompute together, so they must solve for one target."""
-        layout = self.tracer.layout
-        if layout is None:
+        """The smallest of each value over all ranks (the values unchanged for a model that is not
+        parallel): a recompute's collectives run on every rank, so they solve for one target."""
+        if self.tracer.layout is None:
             return values[0] if len(values) == 1 else values
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(layout.group) == "nccl" else None
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
         agreed = torch.tensor(values, dtype=torch.int64, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=layout.group)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         out = tuple(int(v) for v in agreed.tolist())
         return out[0] if len(out) == 1 else out
 
-    def _check_alike(self, plan: Plan) -> None:
-        """Every tensor-parallel rank installs the same decisions (a recompute's collectives run on all
-        of them); ranks whose traces differ (uneven shards) and solved differently stop here, in one line."""
-        layout = self.tracer.layout
-        if layout is None:
-            return
-        digest = hashlib.sha256(json.dumps(plan.decisions, sort_keys=True, default=str).encode()).hexdigest()
-        digests: list[str | None] = [None] * layout.tp
-        dist.all_gather_object(digests, digest, group=layout.group)
-        if len(set(digests)) > 1:
-            raise MemplanError(
-                "the tensor-parallel ranks solved different plans (their shards differ); make one plan with "
-                "`memplan plan --tp N` and apply it with apply_plan on every rank"
-            )
+    def _agree(self, plan: Plan) -> Plan:
+        """The plan every rank installs for the current (length, target), agreed once per pair.
 
+        A recompute's collectives (tensor parallel's gathers, expert parallel's all-to-all) run on
+        every rank, so all recompute alike. Ranks whose traces differ (uneven shards, expert-parallel
+        ranks under moe_imbalance) may solve differently: all take the plan of the rank heaviest
+        without one, as `memplan plan` solves for the worst rank; each simulates it on its own trace,
+        and one it leaves over the target stops them all in one line."""
+        if self.tracer.layout is None:
+            return plan
+        key = (self.seq_len, self.target_bytes)
+        if key not in self._agreed_plans:
+            offers: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(offers, (plan.predicted.baseline_peak_bytes, plan.decisions))
+            decisions = max(offers, key=lambda offer: offer[0])[1]  # the heaviest without a plan (the first on a tie)
+            agreed = plan if decisions == plan.decisions else self._plan_from(plan, decisions)
+            margin = self._agreed(plan.budget_bytes - agreed.predicted.peak_bytes)
+            if margin < 0:
+                raise MemplanError(
+                    f"the plan solved for the heaviest rank leaves another {format_bytes(-margin)} over the target "
+                    f"{format_bytes(plan.budget_bytes)}; lower the budget or plan every rank with `memplan plan`"
+                )
+            self._agreed_plans[key] = agreed
+        return self._agreed_plans[key]
+
+    def _plan_from(self, plan: Plan, decisions: Sequence[Decision]) -> Plan:
+        """Another rank's decisions as this rank's plan: simulated on this rank's trace."""
+        seq_len = int(plan.config["seq_len"])
+        graph = self._graphs[seq_len]
+        config = self.config.with_(seq_len=seq_len, batch_size=int(graph.meta["batch_size"]))
+        choices = tuple(choices_from_decisions(graph, decisions))
+        timeline = simulate(graph, config, choices=choices)
+        agreed = make_plan(
+            graph,
+            config,
+            plan.budget_bytes,
+            plan.strategy,
+            choices,
+            timeline.peak_bytes,
+            timeline.costs,
+            plan.predicted.baseline_peak_bytes,
+            plan.solver,
+        )
+        self._choices[id(agreed)] = (agreed, choices)
+        return agreed
+
+    # -- following the batch ----------------------------------------------------------------
     def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not torch.is_grad_enabled():
             return  # evaluation saves nothing for backward: any plan will do
@@ -362,8 +392,8 @@ class AutoHandle:
 
     def install(self) -> None:
         """Put the plan in force on the model now: between steps, or just before a forward."""
+        self._in_force = self._agree(self._in_force)
         if self._in_force is not self._installed:
-            self._check_alike(self._in_force)
             self._applied.use_plan(self._in_force)
             self._installed = self._in_force
 

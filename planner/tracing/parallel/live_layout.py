@@ -1,4 +1,4 @@
-"""The tensor-parallel layout of a live model that ``parallelize_module`` already sharded.
+"""The parallel layout of a live model that ``parallelize_module`` (and an expert-parallel plan) already sharded.
 
 A training script shards its model in torchtitan's order: the TP plan, then checkpointing, then
 ``fully_shard``. A plan made at the checkpointing step sees DTensor parameters on a real device
@@ -21,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from planner.errors import MemplanError
-from planner.tracing.parallel.ep_plans import is_expert_param
+from planner.tracing.parallel.ep_plans import expert_paths, is_expert_param
 from planner.tracing.parallel.rank_trace import mesh_groups
 
 __all__ = ["LiveLayout", "fake_dtensor", "live_layout"]
@@ -29,44 +29,65 @@ __all__ = ["LiveLayout", "fake_dtensor", "live_layout"]
 
 @dataclass(frozen=True)
 class LiveLayout:
-    """The tensor-parallel group a live model's DTensor parameters are sharded over."""
+    """How a live model's DTensor parameters are sharded: tensor parallel over a 1-D mesh, expert
+    parallel over a mesh with an ``ep`` dimension, or both."""
 
     tp: int  # ranks in the tensor-parallel group
-    mesh: DeviceMesh  # the 1-D tensor-parallel mesh
+    ep: int  # ranks in the expert-parallel group
+    meshes: tuple[DeviceMesh, ...]  # the tensor-parallel mesh and the experts' mesh, as present
     rank: int  # this process's global rank
-
-    @property
-    def group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group()
+    expert_params: tuple[bool, ...]  # per parameter: whether it is an expert's
+    expert_shapes: tuple[tuple[int, ...], ...]  # the local shapes of the expert parameters
+    expert_modules: tuple[str, ...]  # paths of the modules that hold them
 
     def meta(self) -> dict[str, Any]:
         """What a per-rank trace records of its layout (as planner.tracing.parallel.rank_trace does)."""
-        return {"tp": self.tp, "groups": mesh_groups(self.mesh), "rank": self.rank}
+        meta: dict[str, Any] = {"tp": self.tp, "groups": mesh_groups(*self.meshes), "rank": self.rank}
+        if self.ep > 1:
+            meta.update(
+                ep=self.ep,
+                ep_plan="live",
+                ep_expert_params=self.expert_params,
+                ep_expert_shapes=list(self.expert_shapes),
+                ep_expert_modules=list(self.expert_modules),
+            )
+        return meta
 
 
 def live_layout(model: nn.Module) -> LiveLayout | None:
-    """The model's tensor-parallel layout; None when no parameter is a DTensor.
+    """The model's parallel layout; None when no parameter is a DTensor.
 
-    A model that ``fully_shard`` or an expert-parallel plan already sharded is refused in one line:
-    the plan is made before ``fully_shard`` (torchtitan's order), and an expert-parallel model is
-    planned per rank by ``memplan plan --ep``."""
-    meshes = {p.device_mesh: p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}  # equal by value
-    if not meshes:
+    A model ``fully_shard`` already sharded is refused in one line: the plan is made before
+    ``fully_shard`` (torchtitan's order)."""
+    params = list(model.parameters())
+    if not any(isinstance(p, DTensor) for p in params):
         return None
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise MemplanError(
             "fully_shard already ran on this model; call auto_checkpoint after parallelize_module and before "
             "fully_shard (torchtitan's order), with zero_stage=3 and dp=N for the sharding to come"
         )
-    if len(meshes) > 1 or any(m.ndim != 1 for m in meshes.values()) or any(map(is_expert_param, model.parameters())):
-        names = sorted({str(m.mesh_dim_names) for m in meshes.values()})
+    experts = tuple(is_expert_param(p) for p in params)
+    dense = {p.device_mesh: p.device_mesh for p, e in zip(params, experts) if isinstance(p, DTensor) and not e}
+    sparse = {p.device_mesh: p.device_mesh for p, e in zip(params, experts) if e}  # meshes are equal by value
+    if len(dense) > 1 or any(m.ndim != 1 for m in dense) or len(sparse) > 1:
+        names = sorted({str(m.mesh_dim_names) for m in [*dense, *sparse]})
         raise MemplanError(
-            f"the model's parameters are sharded over an expert-parallel or more than one mesh ({', '.join(names)}); "
-            "auto_checkpoint plans a model sharded by parallelize_module over one tensor-parallel mesh: for expert "
-            "parallel make the plan per rank with `memplan plan --ep` and apply it with apply_plan"
+            f"the model's parameters are sharded over several meshes ({', '.join(names)}); auto_checkpoint plans a "
+            "model sharded over one tensor-parallel mesh and one expert mesh: make the plan per rank with "
+            "`memplan plan --tp/--ep` and apply it with apply_plan"
         )
-    (mesh,) = meshes.values()
-    return LiveLayout(tp=mesh.size(), mesh=mesh, rank=dist.get_rank())
+    tp = next(iter(dense)).size() if dense else 1
+    ep_mesh = next(iter(sparse), None)
+    return LiveLayout(
+        tp=tp,
+        ep=ep_mesh.size(ep_mesh.mesh_dim_names.index("ep")) if ep_mesh is not None else 1,
+        meshes=tuple(m for m in (next(iter(dense), None), ep_mesh) if m is not None),
+        rank=dist.get_rank(),
+        expert_params=experts,
+        expert_shapes=tuple(tuple(p.to_local().shape) for p, e in zip(params, experts) if e),
+        expert_modules=tuple(expert_paths(model)),
+    )
 
 
 def fake_dtensor(t: DTensor, fake_local: torch.Tensor) -> DTensor:
