@@ -249,23 +249,6 @@ def test_auto_checkpoint_on_a_tensor_parallel_model_matches_gloo_ranks(layout):
     """auto_checkpoint after parallelize_module (before fully_shard): every rank solves the plan
     `memplan plan` makes for the layout, keeps within the budget and within 1% of the prediction,
     with gradients allclose to one process."""
-    from tp_ranks import run_auto_on_ranks
+    from tp_ranks import assert_auto_matches_plan
 
-    from planner.api import plan_model
-    from planner.plans.format import load_plan
-
-    config = _config(**layout)
-    cases = [
-        (key, spec, config, int(PLAN_FRACTION * simulate_ranks(spec, config).peak_bytes))
-        for key, spec in {"titan": TITAN, "hf-llama": HF_LLAMA}.items()
-    ]
-    measured = run_auto_on_ranks(cases, config.world_size)
-    for key, spec, _, budget in cases:
-        ranks, grad_error = measured[key]
-        want, _, _ = plan_model(spec, config, budget, time_limit_s=5.0)
-        predicted = _by_rank(simulate_ranks(spec, config, want))
-        for rank, (peak, plan) in enumerate(ranks):
-            assert load_plan(plan).decisions == want.decisions, (key, rank)
-            assert abs(peak - predicted[rank]) <= TOLERANCE * peak, (key, rank, peak, predicted[rank])
-            assert peak <= budget * (1 + TOLERANCE), (key, rank, peak, budget)
-        assert grad_error == 0.0, (key, grad_error)
+    assert_auto_matches_plan({"titan": TITAN, "hf-llama": HF_LLAMA}, _config(**layout), PLAN_FRACTION, TOLERANCE)

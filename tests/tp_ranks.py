@@ -101,3 +101,26 @@ def run_auto_on_ranks(cases: list, world_size: int, timeout_s: float = TIMEOUT_S
         out.setdefault(key, [None] * world_size)[rank] = (peak, plan)
         errors[key] = max(errors.get(key, 0.0), grad_error)
     return {key: (out[key], errors[key]) for key in out}
+
+
+def assert_auto_matches_plan(specs: dict[str, str], config, fraction: float, tolerance: float) -> None:
+    """Every rank's auto_checkpoint (budget: `fraction` of the worst rank's unplanned peak) installs
+    `memplan plan`'s decisions, peaks within `tolerance` of its prediction and of the budget, with
+    gradients allclose to one process."""
+    from planner.api import plan_model
+    from planner.plans.format import load_plan
+    from planner.simulation.layout import simulate_ranks
+
+    cases = [
+        (key, spec, config, int(fraction * simulate_ranks(spec, config).peak_bytes)) for key, spec in specs.items()
+    ]
+    measured = run_auto_on_ranks(cases, config.world_size)
+    for key, spec, _, budget in cases:
+        ranks, grad_error = measured[key]
+        want, _, _ = plan_model(spec, config, budget, time_limit_s=5.0)
+        by_rank = {r: role.peak_bytes for role in simulate_ranks(spec, config, want).roles for r in role.ranks}
+        for rank, (peak, plan) in enumerate(ranks):
+            assert load_plan(plan).decisions == want.decisions, (key, rank)
+            assert abs(peak - by_rank[rank]) <= tolerance * peak, (key, rank, peak, by_rank[rank])
+            assert peak <= budget * (1 + tolerance), (key, rank, peak, budget)
+        assert grad_error == 0.0, (key, grad_error)
