@@ -254,5 +254,7 @@ def test_an_expert_parallel_model_is_planned_as_its_rank_share():
         model, inputs = resolve_spec(spec).build(2, 64)
         resolve_ep_plan(config.ep_plan)(model, ep_mesh(config))
         got = plan_for(model, inputs, budget, dp=2, moe_imbalance=2.0, time_limit_s=5.0)
+        with pytest.raises(MemplanError, match=r"ep=2 must divide dp=1 .* use a dp that ep divides"):
+            plan_for(model, inputs, budget)  # the data-parallel degree the experts borrow from is the caller's
     assert (got.config["ep"], got.config["dp"]) == (2, 2)
     assert got.decisions == want.decisions and got.predicted.peak_bytes == want.predicted.peak_bytes

@@ -72,6 +72,8 @@ _PYTHON_WORDS = (
     (r"--budget", "budget"),
     (r"--gpu (\S+)", r"gpu='\1'"),
     (r"--moe-imbalance", "moe_imbalance"),
+    (r"--(dp|tp|cp|ep) (\d+)", r"\1=\2"),
+    (r"--(dp|tp|cp|ep)\b", r"\1"),
 )
 
 
