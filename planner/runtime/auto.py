@@ -522,8 +522,9 @@ def auto_checkpoint(
     tensor with 2+ dims), and solves and caches a plan for any longer batch it meets.
     `time_limit_s` bounds the first solve; `replan_time_limit_s` every later one (set_budget, a
     monitor's switch, a new length), which runs between or inside training steps.
-    Call it after ``parallelize_module`` and before ``fully_shard`` (torchtitan's order): a
-    tensor-parallel model is traced as this rank's share, and the ranks of its group plan alike.
+    Call it on every rank after ``parallelize_module`` and the expert-parallel plan, before
+    ``fully_shard`` (torchtitan's order): a tensor- or expert-parallel model is traced as this
+    rank's share, and all ranks install one plan (the one of the rank heaviest without a plan).
     """
     train_config, tracer, graphs = _trace_all(model, inputs, seq_lens, blocks, config)
     follow = bool(list(seq_lens.buckets) if isinstance(seq_lens, PlanLadder) else list(seq_lens))
