@@ -257,3 +257,26 @@ def test_auto_checkpoint_on_an_expert_parallel_model_matches_gloo_ranks(layout, 
     from tp_ranks import assert_auto_matches_plan
 
     assert_auto_matches_plan(specs, _config(moe_imbalance=2.0, **layout), 0.85, TOLERANCE)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_auto_checkpoint_stops_every_rank_when_one_cannot_plan():
+    """Under --moe-imbalance 2 a budget the light EP rank reaches and the busy one does not: every rank
+    raises InfeasibleBudget in one line (none waits for the other in the ranks' agreement)."""
+    from tp_ranks import auto_failures_on_ranks
+
+    from planner.errors import InfeasibleBudget
+    from planner.solver.planning import solve
+    from planner.tracing.parallel.rank_trace import trace_tp_rank
+
+    config = _config(dp=2, ep=2, moe_imbalance=2.0)
+    smallest = []
+    for rank in range(2):
+        with pytest.raises(InfeasibleBudget) as info:
+            solve(trace_tp_rank(TITAN_MOE, config, rank)[0], config, 1)
+        smallest.append(info.value.smallest_peak_bytes)
+    assert smallest[1] < smallest[0]
+    failures = auto_failures_on_ranks(TITAN_MOE, config, (smallest[0] + smallest[1]) // 2)
+    assert {kind for kind, _ in failures.values()} == {"InfeasibleBudget"}, failures
+    assert failures[1][1].startswith("on rank 0: ") and all("\n" not in m for _, m in failures.values())

@@ -124,3 +124,31 @@ def assert_auto_matches_plan(specs: dict[str, str], config, fraction: float, tol
             assert abs(peak - by_rank[rank]) <= tolerance * peak, (key, rank, peak, by_rank[rank])
             assert peak <= budget * (1 + tolerance), (key, rank, peak, budget)
         assert grad_error == 0.0, (key, grad_error)
+
+
+def _auto_failure_worker(rank: int, world_size: int, init_file: str, case: tuple, queue) -> None:
+    """auto_checkpoint on each rank's sharded model; reports what it raised (None if nothing)."""
+    from planner.runtime.auto import auto_checkpoint
+
+    spec, config, budget = case
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        model, inputs = build_parallel_model(spec, config)
+        try:
+            auto_checkpoint(model, inputs, budget, dp=config.dp, gpu="cpu", moe_imbalance=config.moe_imbalance)
+            queue.put((rank, None, ""))
+        except Exception as exc:
+            queue.put((rank, type(exc).__name__, str(exc)))
+    finally:
+        dist.destroy_process_group()
+
+
+def auto_failures_on_ranks(spec: str, config, budget: int, timeout_s: float = TIMEOUT_S) -> dict[int, tuple]:
+    """Global rank -> (exception type name or None, message) of auto_checkpoint on every rank."""
+    return {
+        rank: (kind, message)
+        for rank, kind, message in run_on_gloo_ranks(
+            _auto_failure_worker, config.world_size, (spec, config, budget), timeout_s
+        )
+    }

@@ -13,7 +13,7 @@ its own length (fake copies of that batch) and solved, and the plan is cached.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -185,7 +185,7 @@ class AutoHandle:
         self.seq_len = config.seq_len  # the planned length whose plan is in force
         self.last_seq_len: int | None = None  # the last training batch's length (when following)
         self._events: list[dict[str, Any]] = []
-        self._in_force = self.plan_at(config.seq_len)
+        self._in_force = self._solved_on_every_rank(lambda: self.plan_at(config.seq_len))
         self.solve_options["time_limit_s"] = replan_time_limit_s
         self._agreed_plans: dict[tuple[int, int], Plan] = {}  # (length, target) -> the plan all ranks install
         self._in_force = self._agree(self._in_force)
@@ -310,6 +310,28 @@ class AutoHandle:
         out = tuple(int(v) for v in agreed.tolist())
         return out[0] if len(out) == 1 else out
 
+    def _solved_on_every_rank(self, solve: Callable[[], Plan]) -> Plan:
+        """`solve()` on this rank; for a parallel model a failure on any rank is raised on every rank
+        (the others would otherwise wait for it in the next agreement), as that rank's error."""
+        if self.tracer.layout is None:
+            return solve()
+        try:
+            plan, failure = solve(), None
+        except MemplanError as exc:
+            plan, failure = None, exc
+        if self._agreed(0 if failure is not None else 1):
+            return plan
+        reports: list[Any] = [None] * dist.get_world_size()
+        infeasible = isinstance(failure, InfeasibleBudget)
+        report = None if failure is None else (str(failure), infeasible, getattr(failure, "smallest_peak_bytes", None))
+        dist.all_gather_object(reports, report)
+        if failure is not None:
+            raise failure
+        rank, (message, infeasible, smallest) = next((r, rep) for r, rep in enumerate(reports) if rep is not None)
+        if infeasible:
+            raise InfeasibleBudget(f"on rank {rank}: {message}", smallest_peak_bytes=smallest)
+        raise MemplanError(f"on rank {rank}: {message}")
+
     def _agree(self, plan: Plan) -> Plan:
         """The plan every rank installs for the current (length, target), agreed once per pair.
 
@@ -365,7 +387,7 @@ class AutoHandle:
             target, minus_len = self._agreed(self.target_bytes, -seq_len)
             seq_len = -minus_len
             if target != self.target_bytes:
-                self.set_target(target)
+                self._solved_on_every_rank(lambda: self.set_target(target))
         if self.follow:
             self.last_seq_len = seq_len
             bucket = self.bucket_for(seq_len)
@@ -389,7 +411,7 @@ class AutoHandle:
                 )
             self.seq_len = bucket
             with _python_api():
-                self._in_force = self._plan_within_budget(bucket)
+                self._in_force = self._solved_on_every_rank(lambda: self._plan_within_budget(bucket))
         self.install()
 
     def install(self) -> None:
