@@ -70,7 +70,7 @@ def test_shared_frames_within_budget_are_formatted_once() -> None:
     with meter() as m:
         report = load_snapshot_bytes(shared_frames_snapshot(100_000, 3))
     assert [a.frames for a in report.top_allocations] == [("x.py:1:f",) * 10] * 3
-    assert m["wall_s"] < 5.0  # bounded time, with room for a busy 2-core CI machine
+    assert m["cpu_s"] < 5.0  # bounded CPU time: what a blow-up costs, whatever else a busy machine runs
 
 
 @pytest.mark.parametrize(
