@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from costmodels.hardware import get_device
 from costmodels.memory import get_precision
@@ -134,7 +135,7 @@ class LiveTracer:
         self.target = get_device(gpu)  # attention runs the kernels this device picks (tracing/attention.py)
         self.name = name
         self.blocks = tuple(blocks)
-        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
         self.routing = RoutingAssumption(moe_imbalance)  # mixture-of-experts routing (tracing/moe.py)
         self.shadow = ShadowMode(self.fake_mode, route=self.routing)
         self.layout = live_layout(model)
