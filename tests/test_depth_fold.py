@@ -130,6 +130,7 @@ def test_blocks_that_differ_by_depth_are_traced_whole(monkeypatch):
     folded = recorder.trace(spec, batch_size=2, seq_len=8)
     full = _unfolded(monkeypatch, lambda: recorder.trace(spec, batch_size=2, seq_len=8))
     assert "folded" not in folded.meta
+    assert folded.meta["unfolded_because"].startswith("one more block does not extend the shallow trace: ops differ")
     assert same_graph(folded, full)
 
 
@@ -205,5 +206,5 @@ def test_transformers_models_fold_exactly(monkeypatch, tmp_path, name):
     spec = f"hf:{tmp_path / 'config.json'}"
     folded = recorder.trace(spec, batch_size=2, seq_len=32)
     full = _unfolded(monkeypatch, lambda: recorder.trace(spec, batch_size=2, seq_len=32))
-    assert folded.meta.get("folded") == layers
+    assert folded.meta.get("folded") == layers, folded.meta.get("unfolded_because")
     assert same_graph(folded, full)

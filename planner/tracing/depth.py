@@ -25,7 +25,16 @@ from torch import nn
 from planner.tracing.blocks import module_signature
 from planner.tracing.graph import OpGraph, OpNode, Region, TensorInfo
 
-__all__ = ["BASE_BLOCKS", "FOLD_MIN_RUN", "BlockRun", "FoldError", "fold_trace", "repeated_run", "same_graph"]
+__all__ = [
+    "BASE_BLOCKS",
+    "FOLD_MIN_RUN",
+    "BlockRun",
+    "FoldError",
+    "fold_trace",
+    "graph_difference",
+    "repeated_run",
+    "same_graph",
+]
 
 REACH = 2  # how many blocks away a block's storages are used or freed (a residual held one block on)
 _TEMPLATE = REACH + 1  # the template's position in the run: REACH matched blocks on each side, and one more
@@ -97,9 +106,11 @@ def _param_slice(model: nn.Module, block_path: str) -> tuple[int, int]:
     return positions[0], positions[-1] + 1
 
 
-def fold_trace(model: nn.Module, run: BlockRun, trace_once: Callable[[], OpGraph]) -> OpGraph | None:
-    """The full-depth graph from two shallow traces (``trace_once`` traces the model as it is), or
-    None when the shallow traces fail or the extension does not reproduce the deeper one."""
+def fold_trace(model: nn.Module, run: BlockRun, trace_once: Callable[[], OpGraph]) -> OpGraph:
+    """The full-depth graph from two shallow traces (``trace_once`` traces the model as it is).
+
+    Raises FoldError saying why when a shallow trace fails or one more block does not extend the
+    shallow graph into the deeper one (the caller then traces every block)."""
     template = run.path(run.start + _TEMPLATE)
     try:
         with shallow(model, run, BASE_BLOCKS + 1):
@@ -107,11 +118,14 @@ def fold_trace(model: nn.Module, run: BlockRun, trace_once: Callable[[], OpGraph
         with shallow(model, run, BASE_BLOCKS):
             params = _param_slice(model, template)
             base = trace_once()
-        if not same_graph(extend(base, run, 1, params), deeper):
-            return None
+        difference = graph_difference(extend(base, run, 1, params), deeper)
+        if difference is not None:
+            raise FoldError(f"one more block does not extend the shallow trace: {difference}")
         return extend(base, run, run.length - BASE_BLOCKS, params)
-    except (FoldError, IndexError, KeyError, RuntimeError, ValueError, TypeError, AttributeError):
-        return None
+    except FoldError:
+        raise
+    except (IndexError, KeyError, RuntimeError, ValueError, TypeError, AttributeError) as exc:
+        raise FoldError(f"{type(exc).__name__}: {exc}") from exc
 
 
 # --- the extension ------------------------------------------------------------------------------
@@ -427,6 +441,30 @@ def _canonical(graph: OpGraph) -> tuple:
     )
 
 
+_CANONICAL_PARTS = (
+    "ops",
+    "storages",
+    "regions",
+    "backward start",
+    "pack events",
+    "parameter shapes",
+    "trainable flags",
+    "buffer writes",
+)
+
+
+def graph_difference(a: OpGraph, b: OpGraph) -> str | None:
+    """The first part in which two graphs differ (and where), or None when they record the same step."""
+    for part, x, y in zip(_CANONICAL_PARTS, _canonical(a), _canonical(b), strict=True):
+        if x == y:
+            continue
+        if isinstance(x, tuple) and isinstance(y, tuple):
+            at = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+            return f"{part} differ at #{at} of {len(x)} vs {len(y)}"
+        return f"{part} differ ({x!r} vs {y!r})"
+    return None
+
+
 def same_graph(a: OpGraph, b: OpGraph) -> bool:
     """Whether two graphs record the same step: ops, storages (up to numbering), regions, saves."""
-    return _canonical(a) == _canonical(b)
+    return graph_difference(a, b) is None

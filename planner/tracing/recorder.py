@@ -32,7 +32,7 @@ from planner.tracing.blocks import (
     module_signature,
     segment_children,
 )
-from planner.tracing.depth import BlockRun, fold_trace, repeated_run
+from planner.tracing.depth import BlockRun, FoldError, fold_trace, repeated_run
 from planner.tracing.dispatch import OpRecorder, as_int, local_tensor
 from planner.tracing.fake_build import fake_model
 from planner.tracing.fingerprint import model_fingerprint
@@ -213,10 +213,17 @@ def trace_model(
         return _trace_once(model, inputs, precision=precision, name=name, lifetimes=lifetimes, blocks=blocks)
 
     run = repeated_run(model, find_region_paths(model, blocks)) if fold else None
-    graph = fold_trace(model, run, once) if run is not None else None
+    graph, unfolded_because = None, None
+    if run is not None:
+        try:
+            graph = fold_trace(model, run, once)
+        except FoldError as exc:
+            unfolded_because = str(exc)
     if graph is None:
         graph = once()
         looped, shared = set(graph.meta.pop("looped_over")), set(graph.meta["shared_modules"])
+        if unfolded_because is not None:
+            graph.meta["unfolded_because"] = unfolded_because
     else:
         graph.meta.update(
             fingerprint=model_fingerprint(model), num_modules=sum(1 for _ in model.modules()), folded=run.length
