@@ -13,14 +13,13 @@ from __future__ import annotations
 import copy
 import types
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from costmodels.hardware import get_device
@@ -34,6 +33,7 @@ from planner.tracing.graph import OpGraph
 from planner.tracing.hf import disable_kv_cache, eager_transformers
 from planner.tracing.moe import RoutingAssumption
 from planner.tracing.parallel.live_layout import fake_dtensor, live_layout
+from planner.tracing.parallel.tp_plans import loss_parallel_context
 from planner.tracing.recorder import trace_model
 from planner.tracing.shadow import ShadowMode
 
@@ -160,7 +160,7 @@ class LiveTracer:
     def _step_context(self) -> AbstractContextManager:
         """torch's loss_parallel() around a tensor-parallel step that computes its loss on
         vocabulary-sharded logits (the user's step does; plain logits are untouched by it)."""
-        return loss_parallel() if self.layout is not None and self.loss_parallel else nullcontext()
+        return loss_parallel_context(self.layout.tp if self.layout is not None else 1, self.loss_parallel)
 
     def _fake(self, t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor):

@@ -35,6 +35,7 @@ __all__ = [
     "expert_hidden_dims",
     "expert_modules",
     "expert_paths",
+    "expert_trace_meta",
     "is_expert_param",
     "is_grouped_experts",
     "resolve_ep_plan",
@@ -132,6 +133,19 @@ def is_expert_param(p: object) -> bool:
 def expert_paths(model: nn.Module) -> list[str]:
     """Paths of the modules that hold expert-parallel parameters, sorted."""
     return sorted({n.rpartition(".")[0] for n, p in model.named_parameters() if is_expert_param(p)})
+
+
+def expert_trace_meta(model: nn.Module, ep: int, ep_plan: str) -> dict[str, object]:
+    """What a rank's trace records of its expert sharding: the degree, the plan, which parameters are
+    experts', their local shapes and the modules holding them (costs.model_states_for reads them)."""
+    params = list(model.parameters())
+    return {
+        "ep": ep,
+        "ep_plan": ep_plan,
+        "ep_expert_params": tuple(is_expert_param(p) for p in params),
+        "ep_expert_shapes": [tuple(p.to_local().shape) for p in params if is_expert_param(p)],
+        "ep_expert_modules": expert_paths(model),
+    }
 
 
 def expert_hidden_dims(module: nn.Module, path: str) -> dict[str, int]:

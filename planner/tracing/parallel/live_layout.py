@@ -21,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from planner.errors import MemplanError
-from planner.tracing.parallel.ep_plans import expert_paths, is_expert_param
+from planner.tracing.parallel.ep_plans import expert_trace_meta, is_expert_param
 from planner.tracing.parallel.rank_trace import mesh_groups
 
 __all__ = ["LiveLayout", "fake_dtensor", "live_layout"]
@@ -36,22 +36,12 @@ class LiveLayout:
     ep: int  # ranks in the expert-parallel group
     meshes: tuple[DeviceMesh, ...]  # the tensor-parallel mesh and the experts' mesh, as present
     rank: int  # this process's global rank
-    expert_params: tuple[bool, ...]  # per parameter: whether it is an expert's
-    expert_shapes: tuple[tuple[int, ...], ...]  # the local shapes of the expert parameters
-    expert_modules: tuple[str, ...]  # paths of the modules that hold them
+    expert_meta: dict[str, Any]  # ep_plans.expert_trace_meta of the model (empty without expert parallel)
 
     def meta(self) -> dict[str, Any]:
         """What a per-rank trace records of its layout (as planner.tracing.parallel.rank_trace does)."""
         meta: dict[str, Any] = {"tp": self.tp, "groups": mesh_groups(*self.meshes), "rank": self.rank}
-        if self.ep > 1:
-            meta.update(
-                ep=self.ep,
-                ep_plan="live",
-                ep_expert_params=self.expert_params,
-                ep_expert_shapes=list(self.expert_shapes),
-                ep_expert_modules=list(self.expert_modules),
-            )
-        return meta
+        return {**meta, **self.expert_meta}
 
 
 def live_layout(model: nn.Module) -> LiveLayout | None:
@@ -79,14 +69,13 @@ def live_layout(model: nn.Module) -> LiveLayout | None:
         )
     tp = next(iter(dense)).size() if dense else 1
     ep_mesh = next(iter(sparse), None)
+    ep = ep_mesh.size(ep_mesh.mesh_dim_names.index("ep")) if ep_mesh is not None else 1
     return LiveLayout(
         tp=tp,
-        ep=ep_mesh.size(ep_mesh.mesh_dim_names.index("ep")) if ep_mesh is not None else 1,
+        ep=ep,
         meshes=tuple(m for m in (next(iter(dense), None), ep_mesh) if m is not None),
         rank=dist.get_rank(),
-        expert_params=experts,
-        expert_shapes=tuple(tuple(p.to_local().shape) for p, e in zip(params, experts) if e),
-        expert_modules=tuple(expert_paths(model)),
+        expert_meta=expert_trace_meta(model, ep, "live") if ep > 1 else {},
     )
 
 

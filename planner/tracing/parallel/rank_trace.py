@@ -35,7 +35,7 @@ from planner.tracing.fake_build import fake_model
 from planner.tracing.graph import OpGraph
 from planner.tracing.moe import RoutingAssumption, routed_indices
 from planner.tracing.parallel.context_parallel import context_parallel_step
-from planner.tracing.parallel.ep_plans import EpPlan, expert_paths, is_expert_param, resolve_ep_plan
+from planner.tracing.parallel.ep_plans import EpPlan, expert_trace_meta, resolve_ep_plan
 from planner.tracing.parallel.tp_plans import TpPlan, step_context, tp_plan_for
 from planner.tracing.recorder import cast_parameters, trace_model
 from planner.tracing.specs import ModelSpec, resolve_spec
@@ -186,9 +186,7 @@ def trace_tp_rank(
                 plan(model, mesh["tp"])
             if sparse is not None:
                 ep_plan(model, sparse)
-                expert_flags = tuple(is_expert_param(p) for p in model.parameters())
-                expert_shapes = [tuple(p.to_local().shape) for p in model.parameters() if is_expert_param(p)]
-                experts = expert_paths(model)
+                expert_meta = expert_trace_meta(model, config.ep, config.ep_plan)
             keys = tp_role_keys(model, config)
             with step_context(config), _context_parallel(config, mesh, inputs, model_spec.name):
                 graph = trace_model(
@@ -203,13 +201,7 @@ def trace_tp_rank(
             if sparse is not None:
                 keys = ep_role_keys(routing, config.ep)
                 routing.routers = sum(op.name == "aten.topk.default" for op in graph.ops[: graph.backward_start])
-                graph.meta.update(
-                    ep=config.ep,
-                    ep_plan=config.ep_plan,
-                    ep_expert_params=expert_flags,
-                    ep_expert_shapes=expert_shapes,
-                    ep_expert_modules=experts,
-                )
+                graph.meta.update(expert_meta)
                 graph.meta["moe"] = routing.to_dict()
     graph.meta.update(
         precision=config.precision,

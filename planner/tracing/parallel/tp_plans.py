@@ -42,7 +42,14 @@ from planner.tracing.parallel.ep_plans import expert_hidden_dims, is_grouped_exp
 from planner.tracing.parallel.expert_parallel import GroupedExpertsTensorParallel
 from planner.tracing.parallel.user_plans import user_plan
 
-__all__ = ["TpPlan", "apply_tp_plan", "resolve_tp_plan", "step_context", "tp_plan_for"]
+__all__ = [
+    "TpPlan",
+    "apply_tp_plan",
+    "loss_parallel_context",
+    "resolve_tp_plan",
+    "step_context",
+    "tp_plan_for",
+]
 
 TpPlan = Callable[[nn.Module, DeviceMesh], object]
 
@@ -307,18 +314,25 @@ def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: TpPlan) -> nn.Mod
     return model
 
 
-def _loss_parallel(config: TrainConfig) -> bool:
-    """Whether the step computes its loss on vocabulary-sharded logits."""
-    return config.tp > 1 and config.loss_parallel
+def _runs_loss_parallel(tp: int, loss_parallel_asked: bool) -> bool:
+    """Whether a step over `tp` tensor-parallel ranks computes its loss on vocabulary-sharded logits."""
+    return tp > 1 and loss_parallel_asked
 
 
 def tp_plan_for(config: TrainConfig) -> TpPlan:
     """The tensor-parallel plan a config names (its spec, sequence and loss parallel)."""
-    return resolve_tp_plan(config.tp_plan, config.sequence_parallel, _loss_parallel(config), config.ep == 1)
+    return resolve_tp_plan(
+        config.tp_plan, config.sequence_parallel, _runs_loss_parallel(config.tp, config.loss_parallel), config.ep == 1
+    )
 
 
 def step_context(config: TrainConfig) -> AbstractContextManager:
     """What a training step of this layout runs inside: torch's ``loss_parallel()`` when tensor
     parallel computes the loss on vocabulary-sharded logits (forward and backward), else nothing.
     A plan that leaves the logits whole is untouched by it (plain tensors never reach its handlers)."""
-    return loss_parallel() if _loss_parallel(config) else nullcontext()
+    return loss_parallel_context(config.tp, config.loss_parallel)
+
+
+def loss_parallel_context(tp: int, loss_parallel_asked: bool) -> AbstractContextManager:
+    """torch's ``loss_parallel()`` where :func:`_runs_loss_parallel`, else nothing."""
+    return loss_parallel() if _runs_loss_parallel(tp, loss_parallel_asked) else nullcontext()
