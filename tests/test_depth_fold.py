@@ -124,6 +124,46 @@ class _Indexed(nn.Module):
         return x.square().mean()
 
 
+class _Rotate(nn.Module):
+    """A parameterless module outside the model, shared by every block (as transformers turns
+    apply_rotary_pos_emb into one when the `kernels` package is installed)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-x[..., 16:], x[..., :16]), dim=-1) * 0.5 + x
+
+
+_ROTATE = _Rotate()
+
+
+class _RotatingBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(_ROTATE(self.linear(x)))
+
+
+class _Rotating(nn.Module):
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_RotatingBlock() for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_a_module_outside_the_model_runs_as_part_of_its_caller(monkeypatch):
+    layers = FOLD_MIN_RUN + 2
+    spec = _spec("rotating", lambda batch_size, seq_len: (_Rotating(layers), (torch.randn(batch_size, seq_len, 32),)))
+    _assert_folds_exactly(monkeypatch, spec, layers)
+    graph = recorder.trace(spec, batch_size=2, seq_len=8)
+    cats = [op.module for op in graph.ops if op.name == "aten.cat.default" and op.phase == "forward"]
+    assert cats == [f"layers.{i}" for i in range(layers)]
+
+
 def test_blocks_that_differ_by_depth_are_traced_whole(monkeypatch):
     layers = FOLD_MIN_RUN + 4
     spec = _spec("indexed", lambda batch_size, seq_len: (_Indexed(layers), (torch.randn(batch_size, seq_len, 32),)))

@@ -191,13 +191,18 @@ class OpRecorder(TorchDispatchMode):
                 f"the forward calls a {type(module).__name__} with parameters that is not part of the traced model "
                 "(a forward replaced by a closure over another model's module?); its parameters would go uncounted"
             )
-        name = self.fqn.get(id(module), "")
+        name = self._name(module)
         self.active.append(name)
-        if self.phase == "forward":
+        if self.phase == "forward" and id(module) in self.fqn:
             self.calls[name] += 1
 
+    def _name(self, module: nn.Module) -> str:
+        """A model module's path. A parameterless module outside the model (a function a library turned into
+        a module, such as transformers' hub-kernel rotary embedding) runs as part of its caller."""
+        return self.fqn[id(module)] if id(module) in self.fqn else self.module_path()
+
     def _leave(self, module: nn.Module, *_) -> None:
-        name = self.fqn.get(id(module), "")
+        name = self._name(module)  # an outside module's entry repeats its caller's path, innermost last
         for k in range(len(self.active) - 1, -1, -1):
             if self.active[k] == name:
                 del self.active[k]
