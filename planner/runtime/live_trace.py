@@ -20,7 +20,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from costmodels.hardware import get_device
 from costmodels.memory import get_precision
@@ -135,7 +134,7 @@ class LiveTracer:
         self.target = get_device(gpu)  # attention runs the kernels this device picks (tracing/attention.py)
         self.name = name
         self.blocks = tuple(blocks)
-        self.fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.routing = RoutingAssumption(moe_imbalance)  # mixture-of-experts routing (tracing/moe.py)
         self.shadow = ShadowMode(self.fake_mode, route=self.routing)
         self.layout = live_layout(model)

@@ -8,7 +8,6 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from torch import nn
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import memplan_compat
 from costmodels.hardware import get_device
@@ -41,7 +40,7 @@ def fake_model(
         log = memplan_compat.fake_tensor_log
         stack.callback(log.setLevel, log.level)
         log.setLevel(logging.CRITICAL)
-        fake_mode = stack.enter_context(FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True))
+        fake_mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         if device.is_cuda:
             stack.enter_context(TargetAttention(device))
         routing = RoutingAssumption(moe_imbalance)
