@@ -56,15 +56,15 @@ def test_set_budget_on_32_blocks_takes_well_under_a_step():
     ids = torch.randint(0, 64, (2, 64))
     handle = auto_checkpoint(model, (ids, ids), "100%")
     states, base = handle.model_states_bytes, handle.baseline_peak_bytes
-    walls = []
+    cpu_seconds = []
     for point in (0.4, 0.7, 0.5, 0.8, 0.6):
-        t0 = time.perf_counter()
+        t0 = time.process_time()  # CPU time (all threads): a busy shared machine stretches wall time
         plan = handle.set_budget(int(states + point * (base - states)))
-        walls.append(time.perf_counter() - t0)
+        cpu_seconds.append(time.process_time() - t0)
         timeline = simulate(handle.graph_at(64), handle.config, plan=plan)
         assert plan.predicted.peak_bytes == timeline.peak_bytes <= plan.budget_bytes
         assert plan.predicted.step_s == pytest.approx(timeline.costs.step_s, rel=1e-9)
-    assert statistics.median(walls) < 0.2, walls
+    assert statistics.median(cpu_seconds) < 0.2, cpu_seconds
     handle.remove()
 
 
