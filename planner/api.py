@@ -194,9 +194,11 @@ def plan_pipeline_model(
     same choices as one plan for all stages, replayed: PipelineEvaluation). `budget_bytes` may be a
     percentage of the worst rank's no-plan peak."""
     graphs, key_of = _pipeline_roles(spec, config)
-    graph = graphs[heaviest_role(graphs, config)]  # the heaviest role's plan is checked on the others
+    heaviest = heaviest_role(graphs, config)
+    graph = graphs[heaviest]  # the heaviest role's plan is checked on the others
     if isinstance(budget_bytes, str):
-        budget_bytes = parse_budget(budget_bytes, simulate_pipeline_roles(graphs, key_of, config).peak_bytes)
+        baseline = simulate_pipeline_roles(graphs, key_of, config, heaviest=heaviest)
+        budget_bytes = parse_budget(budget_bytes, baseline.peak_bytes)
     from planner.solver.pipeline_plans import (
         choices_of,
         evaluate_pipeline,

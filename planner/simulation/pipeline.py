@@ -214,17 +214,19 @@ def simulate_pipeline_roles(
     role_of: Callable[[RankCoords], Hashable],
     config: TrainConfig,
     choices: Mapping[Hashable, Sequence[SpanChoice]] | None = None,
+    heaviest: Hashable | None = None,
 ) -> PipelineTimeline:
     """Every rank of a pipeline whose stage ranks differ: each distinct role's graph (the key
     `role_of` gives a rank's coordinates; under expert parallel, EP indices whose experts receive
     different rows) replayed under one split, the heaviest role's, each role under its own
     `choices`. The step lasts as long as the slowest role's (the ranks of a stage wait for each
-    other in every collective); per pp rank, the peak action and in-flight count are its heaviest role's."""
+    other in every collective); per pp rank, the peak action and in-flight count are its heaviest role's.
+    `heaviest`: :func:`heaviest_role` under these choices, where the caller has it already."""
     choices = choices or {}
     if len(graphs) == 1:
         key, graph = next(iter(graphs.items()))
         return simulate_pipeline(graph, config, choices.get(key, ()))
-    heaviest = heaviest_role(graphs, config, choices)
+    heaviest = heaviest if heaviest is not None else heaviest_role(graphs, config, choices)
     first = simulate_pipeline(graphs[heaviest], config, choices.get(heaviest, ()))
     counts = first.blocks_per_stage
     split = config.with_(pp_split=",".join(map(str, counts)))
