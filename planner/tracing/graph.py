@@ -168,8 +168,11 @@ class OpGraph:
         inside module `path` write in place, such as BatchNorm's running statistics. A recompute of
         `path` runs on copies of their pre-forward state, held from its forward to its backward
         (planner.runtime.apply.ForwardBuffers)."""
+        writes = self.meta.get("buffer_writes", ())
+        if not writes:
+            return {}
         inside = set(self.ops_in_module(path))
-        return {name: tid for i, tid, name in self.meta.get("buffer_writes", ()) if i in inside}
+        return {name: tid for i, tid, name in writes if i in inside}
 
     def ops_in_module(self, path: str) -> list[int]:
         """Indices of ops run inside a module (or its submodules), in order (indexed once)."""
