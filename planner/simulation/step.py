@@ -100,21 +100,26 @@ class Timeline:
         }
 
 
+_CATEGORY_POSITION = {c: i for i, c in enumerate(CATEGORIES)}
+
+
 class _Memory:
-    """Live bytes per category and the recorded samples."""
+    """Live bytes per category (in CATEGORIES order) and the recorded samples."""
 
     def __init__(self) -> None:
-        self.live = dict.fromkeys(CATEGORIES, 0)
+        self.live = [0] * len(CATEGORIES)
         self.samples: list[tuple[int, str, str, str, tuple[int, ...]]] = []
 
     def add(self, category: str, nbytes: int) -> None:
-        self.live[category] += nbytes
+        self.live[_CATEGORY_POSITION[category]] += nbytes
 
     def sample(self, op_index: int, phase: str, op: str, module: str, extra: dict[str, int] | None = None) -> None:
-        values = dict(self.live)
-        for c, v in (extra or {}).items():
-            values[c] += v
-        self.samples.append((op_index, phase, op, module, tuple(values[c] for c in CATEGORIES)))
+        values = self.live
+        if extra:
+            values = values.copy()
+            for c, v in extra.items():
+                values[_CATEGORY_POSITION[c]] += v
+        self.samples.append((op_index, phase, op, module, tuple(values)))
 
 
 def _block_transients(graph: OpGraph, config: TrainConfig, scale: dict[str, float]) -> dict[int, dict[str, int]]:
