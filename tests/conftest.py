@@ -82,6 +82,21 @@ BAD_MODELS = textwrap.dedent("""
         raise RuntimeError("boom from the model function")
 
 
+    class FixedSize(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            if x.shape[1] != 16:
+                raise ValueError(f"Input size ({x.shape[1]}) doesn't match model (16).")
+            return self.proj(x).sum()
+
+
+    def fixed_size_model(batch_size, seq_len):
+        return FixedSize(), (torch.randn(batch_size, seq_len, 8),)
+
+
     def good_model(batch_size, seq_len):
         return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)), (torch.randn(batch_size, seq_len, 8),)
 """)
@@ -89,7 +104,7 @@ BAD_MODELS = textwrap.dedent("""
 
 @pytest.fixture
 def bad_models(tmp_path: Path) -> Path:
-    """A model file with FUNCs: nonzero_model, item_model, raises, good_model."""
+    """A model file with FUNCs: nonzero_model, item_model, raises, fixed_size_model, good_model."""
     path = tmp_path / "bad_models.py"
     path.write_text(BAD_MODELS)
     return path

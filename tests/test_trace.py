@@ -301,3 +301,10 @@ def test_trace_cache_keys_on_every_field_a_trace_reads():
     assert traces(base) is traces(base.with_(dp=8))
     traces(base.with_(seq_len=16))
     assert traces.count == 2
+
+
+def test_a_model_refusing_its_inputs_is_told_to_check_the_shapes(bad_models):
+    with pytest.raises(TraceError) as info:
+        trace(f"{bad_models}:fixed_size_model", batch_size=1, seq_len=4)
+    _one_line_naming(str(info.value), "ValueError", "doesn't match model (16)", "--seq-len")
+    assert "data-dependent" not in str(info.value)

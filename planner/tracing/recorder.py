@@ -91,9 +91,18 @@ def _untraceable(rec: OpRecorder, spec_name: str, exc: Exception) -> TraceError:
     if isinstance(exc, TraceError):
         return TraceError(f"cannot trace model '{spec_name}' on fake tensors: {where}: {msg}")
     return TraceError(
-        f"cannot trace model '{spec_name}' on fake tensors: {where} raised "
-        f"{type(exc).__name__}: {msg[:200]}; memplan needs ops with static output shapes "
-        "(no .item()/.nonzero() on data, no data-dependent control flow)"
+        f"cannot trace model '{spec_name}' on fake tensors: {where} raised {type(exc).__name__}: {msg[:200]}; {_hint(exc)}"
+    )
+
+
+def _hint(exc: Exception) -> str:
+    """What to do: fake tensors' own refusals (a shape that depends on data) differ from the model's
+    code refusing the inputs memplan built."""
+    if type(exc).__module__.startswith(("torch._subclasses", "torch.fx.experimental")):
+        return "memplan needs ops with static output shapes (no .item()/.nonzero() on data, no data-dependent control flow)"
+    return (
+        "check that --batch-size and --seq-len suit the model (a vision model's --seq-len is its image side), "
+        "or trace it from a spec that builds its own inputs"
     )
 
 
