@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-
-import networkx as nx
+from typing import TYPE_CHECKING
 
 from planner.tracing.blocks import parse_segment
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 CATEGORIES = ("parameter", "buffer", "gradient", "optimizer", "activation", "temporary")
 PHASES = ("forward", "loss", "backward", "optimizer")
@@ -199,6 +201,8 @@ class OpGraph:
 
     def to_networkx(self) -> nx.DiGraph:
         """Dataflow view: op nodes, with an edge producer -> consumer per storage."""
+        import networkx as nx  # 70 ms to import, and only this view needs it
+
         g = nx.DiGraph()
         producer: dict[int, int] = {}
         for op in self.ops:
