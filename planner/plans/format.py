@@ -20,13 +20,13 @@ from dataclasses import replace as dataclasses_replace
 from functools import lru_cache
 from importlib import metadata, resources
 from pathlib import Path
-from typing import Any, Literal, Union
-
-import jsonschema
-import jsonschema.exceptions
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 from planner.errors import PlanFileError
 from planner.safe_io import JSON_MAX_BYTES, clean, loads_json, read_bounded, write_text
+
+if TYPE_CHECKING:
+    import jsonschema
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -73,6 +73,8 @@ def _validator(kind: str) -> jsonschema.Draft202012Validator:
     # problem instead of "not valid under any of the given schemas".
     root = {k: v for k, v in plan_schema().items() if k != "oneOf"}
     root["$ref"] = f"#/$defs/{kind}"
+    import jsonschema  # 90 ms to import: only commands that read or write a plan pay it
+
     return jsonschema.Draft202012Validator(root)
 
 
@@ -89,7 +91,9 @@ def _validate(d: Any, label: str) -> str:
     kind = d.get("kind")
     if kind not in KINDS:
         raise PlanFileError(f"{label} is invalid at kind: {kind!r} is not one of {list(KINDS)}")
-    err = jsonschema.exceptions.best_match(_validator(kind).iter_errors(d))
+    from jsonschema.exceptions import best_match
+
+    err = best_match(_validator(kind).iter_errors(d))
     if err is not None:
         where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
         raise PlanFileError(f"{label} is invalid at {where}: {err.message}")
