@@ -101,10 +101,10 @@ def random_events(n, seed):
 
 def test_fast_100k_events():
     events = random_events(100_000, 0)
-    t0 = time.process_time()  # CPU time: a busy shared machine stretches wall time
+    t0 = time.thread_time()  # this thread's CPU time: a busy machine and other threads stretch the rest
     simulate_allocator(events)
     simulate_allocator(events, expandable_segments=True)
-    assert time.process_time() - t0 < 1.5
+    assert time.thread_time() - t0 < 1.5
 
 
 @settings(max_examples=60, deadline=None)
