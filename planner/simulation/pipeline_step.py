@@ -47,11 +47,10 @@ from planner.simulation.pipeline_fsdp import StageFsdp, StageFsdpState, stage_fs
 from planner.simulation.pipeline_schedule import PipelineAction, PipelineSchedule
 from planner.simulation.pipeline_split import StageCut, op_stages, weight_gradient_ops
 from planner.simulation.step import Timeline
-from planner.tracing.graph import CATEGORIES, OpGraph
+from planner.tracing.graph import CATEGORIES, CATEGORY_INDEX, OpGraph
 
 __all__ = ["StageMemory", "StageEffect", "stage_effects", "replay_rows", "stage_programs", "replay_rank"]
 
-_CAT = {c: i for i, c in enumerate(CATEGORIES)}
 _NC = len(CATEGORIES)
 HEAD, TAIL = -1, -2  # rows before the first sampled op and after the last
 REDUCE_GRAD = "REDUCE_GRAD (FSDP2's reduce-scatter)"  # the row before the optimizer step's
@@ -73,9 +72,9 @@ class _Program:
         land before the replay (its first row) and allocations after it (the op's own row). They
         reach the rows at :meth:`settle`."""
         if op == HEAD:
-            self.head[_CAT[category]] += nbytes
+            self.head[CATEGORY_INDEX[category]] += nbytes
         else:
-            self.pending.append((op, _CAT[category], nbytes, after))
+            self.pending.append((op, CATEGORY_INDEX[category], nbytes, after))
 
     def settle(self) -> None:
         """Put every pending add() on its row (or the tail), all at once."""
@@ -92,7 +91,7 @@ class _Program:
 
     def add_row(self, pos: int, category: str, nbytes: int) -> None:
         """Bytes applied before row `pos` samples (a replay's rows)."""
-        self.delta[pos, _CAT[category]] += nbytes
+        self.delta[pos, CATEGORY_INDEX[category]] += nbytes
 
     def minus(self, other: _Program) -> _Program:
         """This program's bytes less another's on the same rows (what a choice changes)."""
@@ -423,7 +422,7 @@ def _place(
         f = t.free_op if t.free_op is not None and t.free_op < n_ops else None
         if t.alloc_op < 0:  # before the step: parameters, buffers, the batch
             for s in sorted({int(stage_of[i]) for i in reads}):
-                (per_microbatch if t.category == "activation" else persistent)[s][_CAT[t.category]] += z
+                (per_microbatch if t.category == "activation" else persistent)[s][CATEGORY_INDEX[t.category]] += z
                 if t.category == "parameter":
                     param_shapes[s].append(state_shape(graph, t.id, config.zero_stage))
             continue
@@ -436,7 +435,7 @@ def _place(
             output = sent or (sa == last and graph.ops[a].phase == "forward" and any(phase[i] == "loss" for i in reads))
             progs[sa]["F"].add(a, t.category, z)
             if sent:
-                sent_bytes[sa][_CAT[t.category]] += z
+                sent_bytes[sa][CATEGORY_INDEX[t.category]] += z
             elif output:
                 backward_event(sa, TAIL, t.id, -z)
             elif freed_here and not in_bwd[f]:
@@ -452,7 +451,7 @@ def _place(
                     continue
                 boundary = s == sa + 1 and a >= regions[cuts[sa].block_end - 1].fwd_start
                 if boundary:
-                    per_microbatch[s][_CAT[t.category]] += z
+                    per_microbatch[s][CATEGORY_INDEX[t.category]] += z
                     continue
                 read_in_bwd = any(stage_of[i] == s and in_bwd[i] for i in reads)
                 progs[s]["F"].add(HEAD, t.category, z)
@@ -474,12 +473,12 @@ def _place(
             backward_pair(sa, a, f, t.id, z)
         elif sa > 0 and earlier_reads:  # the input's gradient, sent to the stage before
             backward_event(sa, a, t.id, z)
-            grad_sent_bytes[sa][_CAT[t.category]] += z
+            grad_sent_bytes[sa][CATEGORY_INDEX[t.category]] += z
         else:
             backward_pair(sa, a, TAIL, t.id, z)
         for s in earlier_reads:  # a gradient received from a later stage: one buffer per microbatch
             if s == sa - 1:
-                per_microbatch[s][_CAT[t.category]] += z
+                per_microbatch[s][CATEGORY_INDEX[t.category]] += z
     for e in effects:
         _place_effect(graph, cuts[e.stage], e, progs[e.stage], rows.get(e.stage, {}), backward_event)
     for p in progs:
@@ -580,7 +579,10 @@ def _reduce_peak(states: list[StageFsdpState]) -> np.ndarray:
             param, grad = sum(h[0] for h in held), sum(h[1] for h in held)
             if param + grad + f.reduce_input_bytes[u] > out.sum():
                 out[:] = 0
-                out[_CAT["parameter"]], out[_CAT["gradient"]] = param, grad + f.reduce_input_bytes[u]
+                out[CATEGORY_INDEX["parameter"]], out[CATEGORY_INDEX["gradient"]] = (
+                    param,
+                    grad + f.reduce_input_bytes[u],
+                )
             held[i][0] -= f.block_bytes[u] if u < len(f.block_bytes) else f.root_bytes
             held[i][1] -= f.unit_gradient_bytes[u]
     return out
@@ -610,7 +612,7 @@ def replay_rank(
     own = [stages[s] for s in schedule.stages(rank)]
     fsdp = {s.index: StageFsdpState(s.fsdp) for s in own if s.fsdp is not None}
     base = sum((s.persistent for s in own), np.zeros(_NC, dtype=np.int64)).copy()
-    base[_CAT["optimizer"]] += sum(s.optimizer_bytes for s in own)
+    base[CATEGORY_INDEX["optimizer"]] += sum(s.optimizer_bytes for s in own)
     grads_made: set[int] = set()
     actions = schedule.compute(rank)
     if config.grad_accum_steps > 1:  # a later accumulation step: the gradients are live from its start
@@ -645,8 +647,8 @@ def replay_rank(
             if act.stage in fsdp:
                 others = [held for s, state in fsdp.items() if s != act.stage for held in [state.held_bytes()]]
                 param, grad = fsdp[act.stage].extras(act.kind, prog.ops)
-                live[:, _CAT["parameter"]] += param + sum(h[0] for h in others)
-                live[:, _CAT["gradient"]] += grad + sum(h[1] for h in others)
+                live[:, CATEGORY_INDEX["parameter"]] += param + sum(h[0] for h in others)
+                live[:, CATEGORY_INDEX["gradient"]] += grad + sum(h[1] for h in others)
             rows.append(live)
             op_index.append(prog.ops)
             action_of.extend([k] * len(prog.ops))
@@ -655,7 +657,7 @@ def replay_rank(
     op_index.append(np.array([len(graph.ops) - 1]))
     action_of.append(len(actions) - 1)
     temp = np.zeros(_NC, dtype=np.int64)
-    temp[_CAT["temporary"]] = sum(s.optimizer_step_temporary for s in own)
+    temp[CATEGORY_INDEX["temporary"]] = sum(s.optimizer_step_temporary for s in own)
     rows.append((base + temp)[None, :])
     op_index.append(np.array([len(graph.ops)]))
     action_of.append(-1)

@@ -43,7 +43,7 @@ from planner.simulation.effects import (
     storage_events,
 )
 from planner.simulation.fsdp import fsdp_buffers
-from planner.tracing.graph import CATEGORIES, OpGraph
+from planner.tracing.graph import CATEGORIES, CATEGORY_INDEX, OpGraph
 
 __all__ = ["Timeline", "simulate", "step_events"]
 
@@ -100,9 +100,6 @@ class Timeline:
         }
 
 
-_CATEGORY_POSITION = {c: i for i, c in enumerate(CATEGORIES)}
-
-
 class _Memory:
     """Live bytes per category (in CATEGORIES order) and the recorded samples."""
 
@@ -111,14 +108,14 @@ class _Memory:
         self.samples: list[tuple[int, str, str, str, tuple[int, ...]]] = []
 
     def add(self, category: str, nbytes: int) -> None:
-        self.live[_CATEGORY_POSITION[category]] += nbytes
+        self.live[CATEGORY_INDEX[category]] += nbytes
 
     def sample(self, op_index: int, phase: str, op: str, module: str, extra: dict[str, int] | None = None) -> None:
         values = self.live
         if extra:
             values = values.copy()
             for c, v in extra.items():
-                values[_CATEGORY_POSITION[c]] += v
+                values[CATEGORY_INDEX[c]] += v
         self.samples.append((op_index, phase, op, module, tuple(values)))
 
 

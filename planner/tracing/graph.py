@@ -17,9 +17,10 @@ if TYPE_CHECKING:
     import networkx as nx
 
 CATEGORIES = ("parameter", "buffer", "gradient", "optimizer", "activation", "temporary")
+CATEGORY_INDEX = {c: i for i, c in enumerate(CATEGORIES)}  # a category's column in per-category arrays
 PHASES = ("forward", "loss", "backward", "optimizer")
 
-__all__ = ["CATEGORIES", "PHASES", "TensorInfo", "OpNode", "Region", "OpGraph"]
+__all__ = ["CATEGORIES", "CATEGORY_INDEX", "PHASES", "TensorInfo", "OpNode", "Region", "OpGraph"]
 
 
 @dataclass(frozen=True)
