@@ -20,7 +20,7 @@ from costmodels.hardware import get_device
 from costmodels.runtime import transfer_time_s
 from planner.config import TrainConfig
 from planner.simulation.costs import op_times, storage_bytes
-from planner.simulation.effects import SpanChoice, choice_effect, exposed_transfer_s, module_span
+from planner.simulation.effects import SpanChoice, choice_effect, choice_effects_at, exposed_transfer_s, module_span
 from planner.simulation.step import simulate
 from planner.solver.baselines import block_spans
 from planner.solver.cpsat import _Problem
@@ -204,3 +204,18 @@ def test_exposed_transfer_queues_stores_on_one_link():
     together = exposed_transfer_s(transfers, times, graph.backward_start, device)
     apart = sum(exposed_transfer_s([t], times, graph.backward_start, device) for t in transfers)
     assert together >= apart - 1e-15  # stores share the link: queueing never hides more
+
+
+def test_effects_kept_with_the_graph_match_fresh_ones_at_every_scale():
+    """choice_effects_at keeps each effect with the graph, and gives what choice_effect gives at
+    each config's own sizes (here a whole plan at one rank and at ZeRO-3 over 4 ranks)."""
+    graph, config, target, spans, *_ = _context(1)
+    choices = [SpanChoice(spans[0], "recompute"), SpanChoice(spans[-1], "offload", target=target)]
+    device = get_device(config.gpu)
+    for c in (config, config.with_(zero_stage=3, dp=4)):
+        fresh = [choice_effect(graph, ch, storage_bytes(graph, c), op_times(graph, device)) for ch in choices]
+        kept = choice_effects_at(graph, choices, c)
+        assert [(e.events, e.moved, e.recompute_flops, e.transfer) for e in kept] == [
+            (e.events, e.moved, e.recompute_flops, e.transfer) for e in fresh
+        ]
+        assert all(a is b for a, b in zip(kept, choice_effects_at(graph, choices, c)))

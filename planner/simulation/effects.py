@@ -20,13 +20,17 @@ from typing import NamedTuple
 
 import numpy as np
 
-from costmodels.hardware import DeviceSpec
-from costmodels.runtime import CheckpointHost, transfer_time_s
+from costmodels.hardware import DeviceSpec, get_device
+from costmodels.runtime import CheckpointHost, checkpoint_host_s, transfer_time_s
+from planner.config import TrainConfig
 from planner.errors import MemplanError, PlanFileError
 from planner.plans.decisions import OpKeys, module_plans
 from planner.plans.format import Decision
+from planner.simulation.costs import category_scale, op_times, storage_bytes
 from planner.tracing.collectives import collective_first_uses
 from planner.tracing.graph import OpGraph
+
+_SCALED_CATEGORIES = ("parameter", "gradient")  # the categories costs.category_scale scales
 
 __all__ = [
     "SpanChoice",
@@ -48,6 +52,7 @@ __all__ = [
     "ChoiceEffect",
     "storage_events",
     "choice_effect",
+    "choice_effects_at",
     "exposed_transfer_s",
 ]
 
@@ -373,6 +378,27 @@ def choice_effect(
     else:
         seconds += host.replay_op_s * replayed
     return ChoiceEffect(moved, tuple(events), flops, seconds, None)
+
+
+def choice_effects_at(graph: OpGraph, choices: Sequence[SpanChoice], config: TrainConfig) -> list[ChoiceEffect]:
+    """:func:`choice_effect` of each choice at `config`'s per-device sizes on its target device,
+    kept with the graph: the layouts of a search ask for the same choices at many GPU counts. An
+    effect whose events touch no parameter or gradient storage (the ones ZeRO sharding scales)
+    is the same at every scale and kept once; any other is kept per scale."""
+    device = get_device(config.gpu)
+    cache = graph.derived.setdefault(("choice_effects", device), {})
+    scale = tuple(sorted(category_scale(graph, config).items()))
+    sizes: dict[int, int] | None = None
+    out = []
+    for c in choices:
+        effect = cache.get(c) or cache.get((c, scale))
+        if effect is None:
+            sizes = sizes if sizes is not None else storage_bytes(graph, config)
+            effect = choice_effect(graph, c, sizes, op_times(graph, device), checkpoint_host_s(device))
+            scaled = any(ev.category in _SCALED_CATEGORIES for ev in effect.events)
+            cache[(c, scale) if scaled else c] = effect
+        out.append(effect)
+    return out
 
 
 def _replay(

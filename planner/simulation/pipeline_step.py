@@ -36,11 +36,10 @@ import numpy as np
 
 from costmodels.hardware import get_device
 from costmodels.memory import get_precision, model_state_bytes
-from costmodels.runtime import checkpoint_host_s
 from planner.config import TrainConfig
 from planner.errors import MemplanError
 from planner.simulation.costs import StepCosts, op_times, storage_bytes
-from planner.simulation.effects import FREE, REPLAY, SAMPLE, ChoiceEffect, SpanChoice, choice_effect
+from planner.simulation.effects import FREE, REPLAY, SAMPLE, ChoiceEffect, SpanChoice, choice_effects_at
 from planner.simulation.fsdp import state_shape
 from planner.simulation.memo import memo
 from planner.simulation.pipeline_fsdp import StageFsdp, StageFsdpState, stage_fsdp, unshard_plan
@@ -240,9 +239,8 @@ def _stage_effects(
     graph: OpGraph, config: TrainConfig, cuts: tuple[StageCut, ...], choices: Sequence[SpanChoice]
 ) -> list[StageEffect]:
     ctx = _context(graph, config, cuts)
-    host = checkpoint_host_s(get_device(config.gpu))
     out = []
-    for c in choices:
+    for c, eff in zip(choices, choice_effects_at(graph, choices, config), strict=True):
         span = c.span
         s = int(ctx.stage_of[span.fwd_start])
         inside = int(ctx.stage_of[span.fwd_end - 1]) == s == int(ctx.stage_of[span.bwd_start])
@@ -251,7 +249,6 @@ def _stage_effects(
             raise MemplanError(
                 f"a pipeline plan recomputes modules inside one stage; the choice on '{span.path}' {what}"
             )
-        eff = choice_effect(graph, c, ctx.sizes, ctx.times, host)
         moved = frozenset(
             tid
             for tid in eff.moved
@@ -661,7 +658,7 @@ def replay_rank(
     rows.append((base + temp)[None, :])
     op_index.append(np.array([len(graph.ops)]))
     action_of.append(-1)
-    by_category = np.concatenate(rows).astype(np.int64)
+    by_category = np.concatenate(rows, dtype=np.int64)  # (no copy: the rows are int64)
     ops_idx = np.concatenate(op_index)
     total = by_category.sum(axis=1)
     k = int(np.argmax(total))

@@ -19,7 +19,6 @@ import numpy as np
 
 from costmodels.hardware import get_device
 from costmodels.memory import ModelStates
-from costmodels.runtime import checkpoint_host_s
 from planner.config import TrainConfig
 from planner.errors import TraceError
 from planner.simulation.comm import block_recompute_s, step_communication, unplanned_communication
@@ -37,7 +36,7 @@ from planner.simulation.effects import (
     ChoiceEffect,
     Event,
     SpanChoice,
-    choice_effect,
+    choice_effects_at,
     choices_from_decisions,
     exposed_transfer_s,
     storage_events,
@@ -174,7 +173,7 @@ def simulate(
     transients = _block_transients(graph, config, scale)
 
     sizes = storage_bytes(graph, config)
-    effects = [choice_effect(graph, c, sizes, times, checkpoint_host_s(device)) for c in choices]
+    effects = choice_effects_at(graph, choices, config)
     accumulating = config.grad_accum_steps > 1
     slots = step_events(graph, sizes, effects, accumulating)
 
