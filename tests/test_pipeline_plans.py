@@ -82,6 +82,28 @@ def test_auto_split_plans_the_fastest_split_that_fits(graph, no_plan, fraction):
     assert plan.step_s_with <= uniform.step_s_with
 
 
+@pytest.mark.parametrize("dp", [1, 2, 8])
+def test_a_step_placed_in_two_parts_is_placed_as_one(graph, no_plan, dp):
+    """stage_programs places what ZeRO does not scale once for every shard count and adds the
+    parameters and gradients of this config: the same programs, byte for byte, as placing every
+    storage together."""
+    from planner.simulation.pipeline_step import replay_rows, stage_effects, stage_programs
+
+    plan = solve_pipeline(graph, _config(), int(max(no_plan) * 0.9))
+    cfg = _config(dp=dp, zero_stage=3)
+    effects = stage_effects(graph, cfg, plan.cuts, plan.choices)
+    assert effects
+    split = stage_programs(graph, cfg, plan.cuts, effects)
+    whole = stage_programs(graph, cfg, plan.cuts, effects, only=list(graph.tensors), rows=replay_rows(effects))
+    for a, b in zip(split, whole, strict=True):
+        assert (a.persistent == b.persistent).all() and a.param_shapes == b.param_shapes
+        assert (a.sent_bytes == b.sent_bytes).all() and (a.grad_sent_bytes == b.grad_sent_bytes).all()
+        for kind, prog in a.programs.items():
+            other = b.programs[kind]
+            assert (prog.ops == other.ops).all() and (prog.delta == other.delta).all()
+            assert (prog.head == other.head).all() and (prog.tail == other.tail).all()
+
+
 def test_simulate_pipeline_under_choices(graph, no_plan):
     """A plan's choices in the pipeline simulation: stage 0 peaks lower, its backward takes longer."""
     plan = solve_pipeline(graph, _config(), int(max(no_plan) * 0.9))

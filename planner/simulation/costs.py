@@ -18,6 +18,7 @@ from planner.tracing.graph import OpGraph, OpNode
 from planner.tracing.op_classes import ATTENTION_BACKWARD_OPS, ATTENTION_OPS, COLLECTIVE_OPS
 
 __all__ = [
+    "SCALED_CATEGORIES",
     "StepCosts",
     "category_scale",
     "collective_s",
@@ -126,11 +127,14 @@ def _op_times(graph: OpGraph, device: DeviceSpec) -> np.ndarray:
     return out
 
 
+SCALED_CATEGORIES = ("parameter", "gradient")  # the only categories whose per-device bytes differ from traced
+
+
 def category_scale(graph: OpGraph, config: TrainConfig) -> dict[str, float]:
     """Per-device bytes of each traced parameter/gradient byte: ZeRO sharding, and the fp32 master
     weights and gradients behind a trace whose parameters are in the compute dtype (FSDP)."""
     states = model_states_for(graph, config)
-    traced = {"parameter": 0, "gradient": 0}
+    traced = dict.fromkeys(SCALED_CATEGORIES, 0)
     for t in graph.preexisting():
         if t.category == "parameter":
             traced["parameter"] += t.nbytes

@@ -26,11 +26,9 @@ from planner.config import TrainConfig
 from planner.errors import MemplanError, PlanFileError
 from planner.plans.decisions import OpKeys, module_plans
 from planner.plans.format import Decision
-from planner.simulation.costs import category_scale, op_times, storage_bytes
+from planner.simulation.costs import SCALED_CATEGORIES, category_scale, op_times, storage_bytes
 from planner.tracing.collectives import collective_first_uses
 from planner.tracing.graph import OpGraph
-
-_SCALED_CATEGORIES = ("parameter", "gradient")  # the categories costs.category_scale scales
 
 __all__ = [
     "SpanChoice",
@@ -395,7 +393,7 @@ def choice_effects_at(graph: OpGraph, choices: Sequence[SpanChoice], config: Tra
         if effect is None:
             sizes = sizes if sizes is not None else storage_bytes(graph, config)
             effect = choice_effect(graph, c, sizes, op_times(graph, device), checkpoint_host_s(device))
-            scaled = any(ev.category in _SCALED_CATEGORIES for ev in effect.events)
+            scaled = any(ev.category in SCALED_CATEGORIES for ev in effect.events)
             cache[(c, scale) if scaled else c] = effect
         out.append(effect)
     return out

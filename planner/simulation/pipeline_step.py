@@ -38,7 +38,7 @@ from costmodels.hardware import get_device
 from costmodels.memory import get_precision, model_state_bytes
 from planner.config import TrainConfig
 from planner.errors import MemplanError
-from planner.simulation.costs import StepCosts, op_times, storage_bytes
+from planner.simulation.costs import SCALED_CATEGORIES, StepCosts, op_times, storage_bytes
 from planner.simulation.effects import FREE, REPLAY, SAMPLE, ChoiceEffect, SpanChoice, choice_effects_at
 from planner.simulation.fsdp import state_shape
 from planner.simulation.memo import memo
@@ -91,6 +91,12 @@ class _Program:
     def add_row(self, pos: int, category: str, nbytes: int) -> None:
         """Bytes applied before row `pos` samples (a replay's rows)."""
         self.delta[pos, CATEGORY_INDEX[category]] += nbytes
+
+    def plus(self, other: _Program) -> _Program:
+        """Both programs' bytes on the same rows."""
+        assert np.array_equal(self.ops, other.ops), "programs on different rows"
+        assert not self.pending and not other.pending, "settle() the programs first"
+        return _Program(self.ops, self.delta + other.delta, self.head + other.head, self.tail + other.tail)
 
     def minus(self, other: _Program) -> _Program:
         """This program's bytes less another's on the same rows (what a choice changes)."""
@@ -293,7 +299,7 @@ def stage_programs(
     ]
     if only is None and rows is None:  # the whole step: the same for every microbatch count
         key = (_sizing(config), cuts, tuple(e.choice for e in effects))
-        placed = memo("placed", graph, key, lambda: _place(graph, config, cuts, effects, None, None))
+        placed = memo("placed", graph, key, lambda: _place_step(graph, config, cuts, effects))
     else:
         placed = _place(graph, config, cuts, effects, only, rows)
     m = config.num_microbatches
@@ -340,6 +346,42 @@ class _Placed:
     grad_sent_bytes: list[np.ndarray]
     programs: list[dict[str, _Program]]
     param_shapes: list[tuple[tuple[int, ...], ...]]
+
+    def plus(self, other: _Placed) -> _Placed:
+        """Both placements together (of disjoint storages, on the same rows); the parameter shapes are `other`'s."""
+        return _Placed(
+            [a + b for a, b in zip(self.persistent, other.persistent, strict=True)],
+            [a + b for a, b in zip(self.per_microbatch, other.per_microbatch, strict=True)],
+            [a + b for a, b in zip(self.sent_bytes, other.sent_bytes, strict=True)],
+            [a + b for a, b in zip(self.grad_sent_bytes, other.grad_sent_bytes, strict=True)],
+            [{k: p[k].plus(q[k]) for k in p} for p, q in zip(self.programs, other.programs, strict=True)],
+            other.param_shapes,
+        )
+
+
+def _place_step(graph: OpGraph, config: TrainConfig, cuts: tuple[StageCut, ...], effects: list[StageEffect]) -> _Placed:
+    """Every storage of the step placed. What ZeRO does not scale (all but parameters and gradients)
+    is placed once for every shard count (a layout search asks at every GPU count), the parameters
+    and gradients for this config; a choice whose events touch those is placed whole."""
+    touched = {graph.tensors[tid].category for e in effects for tid in e.moved}
+    touched.update(ev.category for e in effects for ev in e.effect.events)
+    if touched.intersection(SCALED_CATEGORIES):
+        return _place(graph, config, cuts, effects, None, None)
+    scaled = memo("scaled_storages", graph, (), lambda: _scaled_storages(graph))
+    unscaled = memo("unscaled_storages", graph, (), lambda: _unscaled_storages(graph))
+    rows = replay_rows(effects)
+    # an unscaled storage's bytes are its traced bytes whatever the config: the key needs no config
+    key = (cuts, tuple(e.choice for e in effects))
+    fixed = memo("placed_unscaled", graph, key, lambda: _place(graph, config, cuts, effects, unscaled, rows))
+    return fixed.plus(_place(graph, config, cuts, [], scaled, rows))
+
+
+def _scaled_storages(graph: OpGraph) -> list[int]:
+    return [t.id for t in graph.tensors.values() if t.category in SCALED_CATEGORIES]
+
+
+def _unscaled_storages(graph: OpGraph) -> list[int]:
+    return [t.id for t in graph.tensors.values() if t.category not in SCALED_CATEGORIES]
 
 
 def _place(
