@@ -15,6 +15,7 @@ import planner.tracing.recorder as recorder
 from planner.config import TrainConfig
 from planner.simulation.step import simulate
 from planner.tracing.depth import FOLD_MIN_RUN, same_graph
+from planner.tracing.fingerprint import model_fingerprint
 from planner.tracing.models import GPT, GPTConfig, Llama, LlamaConfig, random_tokens
 from planner.tracing.specs import ModelSpec
 
@@ -179,10 +180,33 @@ def test_tensor_parallel_rank_trace_folds_exactly(monkeypatch):
 
     spec = _llama(FOLD_MIN_RUN)
     config = TrainConfig(batch_size=2, seq_len=32, tp=2, sequence_parallel=True)
-    folded, _ = trace_tp_rank(spec, config, rank=1)
-    full, _ = _unfolded(monkeypatch, lambda: trace_tp_rank(spec, config, rank=1))
+    folded, folded_keys = trace_tp_rank(spec, config, rank=1)  # the plan applied to the traced blocks only
+    full, full_keys = _unfolded(monkeypatch, lambda: trace_tp_rank(spec, config, rank=1))
     assert folded.meta.get("folded") == FOLD_MIN_RUN
     assert same_graph(folded, full)
+    assert folded.meta["fingerprint"] == model_fingerprint(_llama(FOLD_MIN_RUN).build(1, 8)[0])
+    assert len(set(folded_keys)) == len(set(full_keys)) == 1
+
+
+def test_tensor_parallel_rank_trace_that_does_not_fold_parallelizes_every_block(monkeypatch):
+    """The TP plan goes to the blocks a folded trace runs; when the trace then does not fold, the
+    rank is traced again with every block parallelized (else the deeper blocks would run unsharded)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from planner.tracing.parallel.rank_trace import trace_tp_rank
+
+    def plan(model, mesh):
+        for block in model.layers:
+            parallelize_module(block, mesh, {"linear": ColwiseParallel(output_layouts=Replicate())})
+
+    layers = FOLD_MIN_RUN + 4
+    spec = _spec("indexed", lambda batch_size, seq_len: (_Indexed(layers), (torch.randn(batch_size, seq_len, 32),)))
+    config = TrainConfig(batch_size=2, seq_len=8, tp=2, sequence_parallel=False)
+    traced, _ = trace_tp_rank(spec, config, rank=0, plan=plan)
+    full, _ = _unfolded(monkeypatch, lambda: trace_tp_rank(spec, config, rank=0, plan=plan))
+    assert "folded" not in traced.meta and same_graph(traced, full)
+    assert {t.nbytes for t in traced.tensors.values() if t.category == "parameter"} == {16 * 32 * 4, 16 * 4}
 
 
 HF = {

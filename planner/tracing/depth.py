@@ -17,7 +17,7 @@ full trace records, so every simulation, plan and per-rank layout built on it is
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 
 from torch import nn
@@ -34,6 +34,7 @@ __all__ = [
     "graph_difference",
     "repeated_run",
     "same_graph",
+    "traced_part",
 ]
 
 REACH = 2  # how many blocks away a block's storages are used or freed (a residual held one block on)
@@ -97,6 +98,11 @@ def shallow(model: nn.Module, run: BlockRun, blocks: int) -> Iterator[None]:
         container.extend(removed)
 
 
+def traced_part(model: nn.Module, run: BlockRun) -> AbstractContextManager[None]:
+    """The model cut to the blocks :func:`fold_trace` runs (its deeper shallow trace's), restored on exit."""
+    return shallow(model, run, BASE_BLOCKS + 1)
+
+
 def _param_slice(model: nn.Module, block_path: str) -> tuple[int, int]:
     """Positions of a block's parameters in model.parameters() order (contiguous)."""
     prefix = block_path + "."
@@ -113,7 +119,7 @@ def fold_trace(model: nn.Module, run: BlockRun, trace_once: Callable[[], OpGraph
     shallow graph into the deeper one (the caller then traces every block)."""
     template = run.path(run.start + _TEMPLATE)
     try:
-        with shallow(model, run, BASE_BLOCKS + 1):
+        with traced_part(model, run):
             deeper = trace_once()
         with shallow(model, run, BASE_BLOCKS):
             params = _param_slice(model, template)

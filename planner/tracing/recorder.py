@@ -44,6 +44,7 @@ __all__ = [
     "TraceCache",
     "TraceError",
     "cast_parameters",
+    "fold_run",
     "forward_context",
     "loss_of",
     "run_step_inputs",
@@ -214,14 +215,13 @@ def trace_model(
     through a shallow copy of the model and extended to full depth, checked (tracing/depth.py);
     the environment variable MEMPLAN_FULL_TRACE=1 turns folding off everywhere (every block traced).
     """
-    fold = fold and os.environ.get(FULL_TRACE_ENV) != "1"
 
     def once() -> OpGraph:
         for p in model.parameters():  # a trace's backward leaves gradients; the next starts without
             p.grad = None
         return _trace_once(model, inputs, precision=precision, name=name, lifetimes=lifetimes, blocks=blocks)
 
-    run = repeated_run(model, find_region_paths(model, blocks)) if fold else None
+    run = fold_run(model, blocks) if fold else None
     graph, unfolded_because = None, None
     if run is not None:
         try:
@@ -244,6 +244,13 @@ def trace_model(
     # without calling, or one called several times per step (a layer shared across depths)
     graph.meta["containers"] = sorted(set(container_paths(model)) | looped | shared)
     return graph
+
+
+def fold_run(model: nn.Module, blocks: Sequence[str] = ()) -> BlockRun | None:
+    """The run of identical blocks :func:`trace_model` folds (None when it traces every block)."""
+    if os.environ.get(FULL_TRACE_ENV) == "1":
+        return None
+    return repeated_run(model, find_region_paths(model, blocks))
 
 
 def _across_run(paths: Sequence[str], run: BlockRun) -> set[str]:

@@ -20,7 +20,7 @@ are one role.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -31,13 +31,14 @@ from torch.distributed.tensor import DTensor, Shard
 from costmodels.memory import get_precision
 from planner.config import TrainConfig
 from planner.errors import TraceError
+from planner.tracing.depth import traced_part
 from planner.tracing.fake_build import fake_model
 from planner.tracing.graph import OpGraph
 from planner.tracing.moe import RoutingAssumption, routed_indices
 from planner.tracing.parallel.context_parallel import context_parallel_step
 from planner.tracing.parallel.ep_plans import EpPlan, expert_trace_meta, resolve_ep_plan
 from planner.tracing.parallel.tp_plans import TpPlan, step_context, tp_plan_for
-from planner.tracing.recorder import cast_parameters, trace_model
+from planner.tracing.recorder import cast_parameters, fold_run, trace_model
 from planner.tracing.specs import ModelSpec, resolve_spec
 
 __all__ = [
@@ -171,6 +172,30 @@ def trace_tp_rank(
     plan = plan or tp_plan_for(config)
     if config.ep > 1:
         ep_plan = ep_plan or resolve_ep_plan(config.ep_plan)
+    try:  # the TP plan applied to the blocks a folded trace runs; a trace that does not fold needs all
+        return _trace_rank(model_spec, config, rank, lifetimes, plan, ep_plan, plans_on_traced_part=config.ep == 1)
+    except _UnfoldedTrace:
+        return _trace_rank(model_spec, config, rank, lifetimes, plan, ep_plan, plans_on_traced_part=False)
+
+
+class _UnfoldedTrace(Exception):
+    """The plans were applied to the blocks a folded trace runs, and the trace did not fold."""
+
+
+def _trace_rank(
+    model_spec: ModelSpec,
+    config: TrainConfig,
+    rank: int,
+    lifetimes: bool,
+    plan: TpPlan,
+    ep_plan: EpPlan | None,
+    plans_on_traced_part: bool,
+) -> tuple[OpGraph, list[tuple]]:
+    """trace_tp_rank's work. `plans_on_traced_part`: apply the TP plan only to the blocks a folded
+    trace runs (parallelizing the other blocks of an 80-layer model took seconds per trace); their
+    parameters keep their global shapes, so the model's fingerprint, its block run and the TP role
+    keys (the blocks are identical) are those of the whole model parallelized. The expert meta reads
+    every parameter: EP plans apply to the whole model."""
     param_dtype, traced_precision = _traced_dtypes(config)
     with fake_process_group(rank, config.dp * config.cp * config.tp):
         mesh = layout_mesh(config)
@@ -182,8 +207,10 @@ def trace_tp_rank(
         ):
             if param_dtype != torch.float32:
                 cast_parameters(model, param_dtype)
+            run = fold_run(model, config.blocks) if plans_on_traced_part and config.tp > 1 else None
             if config.tp > 1:
-                plan(model, mesh["tp"])
+                with traced_part(model, run) if run is not None else nullcontext():
+                    plan(model, mesh["tp"])
             if sparse is not None:
                 ep_plan(model, sparse)
                 expert_meta = expert_trace_meta(model, config.ep, config.ep_plan)
@@ -197,6 +224,8 @@ def trace_tp_rank(
                     lifetimes=lifetimes,
                     blocks=config.blocks,
                 )
+            if run is not None and (graph.meta.get("folded") != run.length or fold_run(model, config.blocks) != run):
+                raise _UnfoldedTrace
             graph.meta["groups"] = mesh_groups(mesh, sparse)
             if sparse is not None:
                 keys = ep_role_keys(routing, config.ep)
