@@ -85,6 +85,7 @@ def test_folded_trace_is_the_full_trace_in_mixed_precision_under_zero3(monkeypat
     _assert_folds_exactly(monkeypatch, _llama(FOLD_MIN_RUN), FOLD_MIN_RUN, precision="bf16-mixed", gathered_params=True)
 
 
+@pytest.mark.slow  # three depths, each traced whole (31 s); the fast tier folds llama and GPT at one depth
 @settings(max_examples=3, deadline=None)
 @given(layers=st.integers(FOLD_MIN_RUN, FOLD_MIN_RUN + 6))
 def test_any_depth_folds_exactly(layers):

@@ -68,6 +68,7 @@ def test_layout_peaks_are_what_simulate_says_for_the_same_flags(search):
     assert {x.pp for x in search.layouts} >= {1, 2} and {x.tp for x in search.layouts} >= {1, 2}
 
 
+@pytest.mark.slow  # 20 s; the fast tier checks layout peaks against simulate (the test above)
 def test_recipe_check_line_simulates_the_layout(search, tmp_path, capsys):
     """The recipe's `memplan simulate` line (its flags, --strategy included) gives the layout's peak."""
     picked = {}
