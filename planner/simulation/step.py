@@ -235,11 +235,13 @@ def step_events(
     moved = set().union(*(e.moved for e in effects))
     slots: list[list[Event]] = [[] for _ in range(len(graph.ops) + 2)]
     last_op = len(graph.ops) - 1
-    for tid in graph.tensors:
+    traced = _traced_events(graph)
+    for tid, t in graph.tensors.items():
         if tid not in moved:
-            for ev in storage_events(graph, tid, sizes[tid]):
+            nbytes = sizes[tid]
+            events = traced[tid] if nbytes == t.nbytes else storage_events(graph, tid, nbytes)
+            for ev in events:
                 slots[ev.op + 1].append(ev)
-            t = graph.tensors[tid]
             if accumulating and t.category == "gradient" and t.free_op is None and t.alloc_op >= 0:
                 slots[min(t.alloc_op + 1, last_op) + 1].append(
                     Event(min(t.alloc_op + 1, last_op), FREE, tid, -sizes[tid], t.category)
@@ -249,6 +251,15 @@ def step_events(
             slots[ev.op + 1].append(ev)
     by_stage = attrgetter("stage")
     return [sorted(slot, key=by_stage) if len(slot) > 1 else slot for slot in slots]
+
+
+def _traced_events(graph: OpGraph) -> dict[int, tuple[Event, ...]]:
+    """Every storage's events at its traced bytes (what it holds on a device unless ZeRO scales it),
+    kept with the graph: a layout search simulates the same graph at many configs."""
+    if "traced_events" not in graph.derived:
+        events = {tid: tuple(storage_events(graph, tid, t.nbytes)) for tid, t in graph.tensors.items()}
+        graph.derived["traced_events"] = events
+    return graph.derived["traced_events"]
 
 
 def _timeline(mem: _Memory, states: ModelStates, graph: OpGraph, config: TrainConfig, costs: StepCosts) -> Timeline:
