@@ -6,7 +6,10 @@ and the same batch, shards its experts with the EP plan memplan traced (then app
 plan, if any), routes tokens as the trace
 assumed, checks its first gradients against one unsharded process, then measures a steady-state
 step. Every rank holds the same batch, so an expert's gradient sums the same tokens from each of the
-ep ranks: ep times the single process's; every other gradient equals the single process's.
+ep ranks: ep times the single process's; every other gradient equals the single process's. Where
+the TP ranks keep their experts whole and each runs a slice of the tokens (transformers' plan),
+their expert gradients are summed over tp first (FSDP2 does it with --zero 3; a data-parallel
+reduction would do it without).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from torch.distributed.tensor import DTensor
 from planner import load_plan
 from planner.runtime.parallel_verify import build_parallel_model, measure_parallel_step, run_on_gloo_ranks
 from planner.runtime.routing import assumed_routing
-from planner.tracing.parallel.ep_plans import is_expert_param
+from planner.tracing.parallel.ep_plans import expert_tp_replicas, is_expert_param
+from planner.tracing.parallel.rank_trace import ep_mesh
 from planner.tracing.parallel.tp_plans import step_context
 from planner.tracing.recorder import loss_of, run_step_inputs
 from planner.tracing.specs import resolve_spec
@@ -35,9 +39,12 @@ def _grad_error(spec: str, config, sharded, inputs) -> float:
         with step_context(config):  # vocabulary-sharded logits under tensor parallel's loss parallel
             loss_of(run_step_inputs(sharded, inputs)).backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    tp_slices = config.ep > 1 and config.zero_stage != 3 and expert_tp_replicas(sharded, config.tp) > 1
     worst = 0.0
     for name, p in sharded.named_parameters():
         expert = is_expert_param(p)
+        if expert and tp_slices:
+            dist.all_reduce(p.grad.to_local(), group=ep_mesh(config)["tp"].get_group())
         got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         want = ref_grads[name] * (config.ep if expert else 1)
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()) + 1e-12):

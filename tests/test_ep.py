@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from cli_helpers import assert_user_error, run
+from hypothesis import given
+from hypothesis import strategies as st
 
 from planner.config import TrainConfig
 from planner.simulation.layout import simulate_ranks
@@ -125,9 +127,8 @@ def test_user_ep_plan_function(tmp_path):
         (["--model", TITAN_MOE, "--dp", "3", "--ep", "2"], ("--ep 2 must divide --dp 3",)),
         (["--model", "llama-7b-tiny", "--dp", "2", "--ep", "2"], ("found no mixture-of-experts layers", "drop --ep")),
         (["--model", TITAN_MOE, "--dp", "2", "--ep", "2", "--zero", "2"], ("--zero 3",)),
-        (["--model", MIXTRAL, "--dp", "2", "--ep", "2", "--tp", "2"], ("does not compose with tensor parallel",)),
     ],
-    ids=["ep-experts", "ep-experts-hf", "ep-dp", "dense", "zero2", "hf-ep-tp"],
+    ids=["ep-experts", "ep-experts-hf", "ep-dp", "dense", "zero2"],
 )
 def test_ep_errors_are_one_line(capsys, argv, needles):
     code, _, err = run(["simulate", "--gpu", "cpu", "--seq-len", "64", *argv], capsys)
@@ -147,6 +148,41 @@ def test_tp_shards_the_experts_hidden_dimension_and_ep_their_count():
     params = {name: r["model_states"]["parameter"] for name, r in (("tp", tp), ("both", both), ("ep", ep))}
     assert params["both"] < params["tp"] and params["both"] < params["ep"]
     assert not dist.is_initialized()
+
+
+@pytest.mark.slow
+def test_transformers_experts_stay_whole_on_each_tp_rank_and_fsdp2_shards_them_over_edp_and_tp():
+    """Mixtral under TP 2 × EP 2 over dp 2: transformers' plan keeps each TP rank's experts whole
+    (each runs its slice of the tokens), so with --zero 3 FSDP2 shards them over edp × tp (2 ranks
+    here, edp being 1); torchtitan-style experts are already split over tp and shard over edp alone."""
+    from planner.tracing.parallel.rank_trace import trace_tp_rank
+
+    hf = _config(tp=2, dp=2, ep=2, zero_stage=3)
+    assert trace_tp_rank(MIXTRAL, hf, 0)[0].meta["ep_expert_tp_replicas"] == 2
+    assert trace_tp_rank(TITAN_MOE, hf, 0)[0].meta["ep_expert_tp_replicas"] == 1
+    sharded = simulate_ranks(MIXTRAL, hf).to_dict()["model_states"]
+    unsharded = simulate_ranks(MIXTRAL, hf.with_(zero_stage=0)).to_dict()["model_states"]
+    ep_only = simulate_ranks(MIXTRAL, _config(dp=2, ep=2, zero_stage=3)).to_dict()["model_states"]
+    assert sharded["parameter"] < unsharded["parameter"]
+    assert sharded["parameter"] < ep_only["parameter"]  # the experts over 2 ranks, not over edp = 1
+    assert not dist.is_initialized()
+
+
+@given(
+    local=st.integers(1, 64),
+    edp=st.sampled_from([1, 2, 3, 4]),
+    ep=st.sampled_from([1, 2, 4, 8]),
+    replicas=st.sampled_from([1, 2, 4, 8]),
+)
+def test_an_expert_state_shape_sharded_over_dp_is_the_shard_fsdp2_keeps(local, edp, ep, replicas):
+    """The stand-in shape sharded over the dp ranks gives each rank the rows FSDP2 gives it of the
+    local experts sharded over edp × tp replicas (dim 0 padded)."""
+    from planner.simulation.fsdp import expert_state_shape, padded_bytes
+
+    shard_ranks, expert_ranks = edp * ep, edp * replicas
+    shape = expert_state_shape((local, 3), shard_ranks, expert_ranks)
+    kept = padded_bytes(shape, 2, shard_ranks) // shard_ranks
+    assert kept == padded_bytes((local, 3), 2, expert_ranks) // expert_ranks
 
 
 def test_commands_without_ep_refuse_it_in_one_line(capsys):
@@ -219,8 +255,9 @@ def test_ep2_per_rank_peak_plans_and_gradients_match_gloo_ranks():
 @pytest.mark.slow
 def test_tp_with_and_without_ep_matches_gloo_ranks():
     """The torchtitan-style MoE under TP 2 (2 ranks) and TP 2 × EP 2 over dp 2 (4 ranks; skewed
-    routing, with and without FSDP2): each rank within 1% of its prediction (measured: within 70 B),
-    gradients allclose to one process."""
+    routing, with and without FSDP2), and Mixtral (transformers' plans) under TP 2 × EP 2: each rank
+    within 1% of its prediction (measured: titan within 70 B, Mixtral within 0.3%), gradients
+    allclose to one process."""
     from ep_ranks import run_on_ranks
 
     layouts = {
@@ -230,11 +267,13 @@ def test_tp_with_and_without_ep_matches_gloo_ranks():
             "tp2-ep2-fsdp2": _config(tp=2, dp=2, ep=2, zero_stage=3, moe_imbalance=2.0),
         },
     }
+    specs = {2: [TITAN_MOE], 4: [TITAN_MOE, MIXTRAL]}
     for world, configs in layouts.items():
-        measured = run_on_ranks([(key, TITAN_MOE, c, None) for key, c in configs.items()], world)
-        for key, config in configs.items():
+        cases = [(f"{key}-{spec}", spec, c) for key, c in configs.items() for spec in specs[world]]
+        measured = run_on_ranks([(*case, None) for case in cases], world)
+        for key, spec, config in cases:
             peaks, grad_error = measured[key]
-            for rank, (want, got) in enumerate(zip(_by_rank(simulate_ranks(TITAN_MOE, config)), peaks)):
+            for rank, (want, got) in enumerate(zip(_by_rank(simulate_ranks(spec, config)), peaks)):
                 assert abs(want - got) <= TOLERANCE * got, (key, rank, want, got)
             assert grad_error == 0.0, (key, grad_error)
 

@@ -38,7 +38,7 @@ from planner.runtime.verify import Measurement
 from planner.tracing.blocks import find_region_paths
 from planner.tracing.hf import disable_kv_cache
 from planner.tracing.parallel.context_parallel import context_parallel_step
-from planner.tracing.parallel.ep_plans import expert_paths, resolve_ep_plan
+from planner.tracing.parallel.ep_plans import expert_paths, expert_tp_replicas, resolve_ep_plan
 from planner.tracing.parallel.rank_trace import ep_mesh
 from planner.tracing.parallel.tp_plans import tp_plan_for
 from planner.tracing.specs import resolve_spec
@@ -102,9 +102,23 @@ def build_parallel_model(
         checkpoint(model, inputs)
     if config.shard_ranks > 1 and config.zero_stage == 3:
         for path in experts:  # torchtitan: the experts over the dp / ep ranks holding the same ones, first
-            fully_shard(model.get_submodule(path), mesh=sparse["edp"], **fsdp_kwargs(config))
+            shard_experts(model.get_submodule(path), sparse, expert_tp_replicas(model, config.tp), config)
         shard_model(model, units, config, mesh=_shard_mesh(mesh, config))
     return model, inputs
+
+
+def shard_experts(experts: nn.Module, mesh: DeviceMesh, tp_replicas: int, config: TrainConfig) -> None:
+    """``fully_shard`` an experts module over the ranks of the ``[edp, ep, tp]`` mesh holding the same
+    experts: ``edp``, and ``tp`` too where each TP rank keeps them whole (`tp_replicas` > 1). Those TP
+    ranks ran disjoint slices of one batch, so their gradients are summed, not averaged: the divide
+    factor stays the data-parallel one (edp), applied after a summing reduce-scatter (gloo has no
+    pre-multiplied sum)."""
+    if tp_replicas == 1:
+        fully_shard(experts, mesh=mesh["edp"], **fsdp_kwargs(config))
+        return
+    fully_shard(experts, mesh=mesh["edp", "tp"]._flatten("edp_tp"), **fsdp_kwargs(config))
+    experts.set_gradient_divide_factor(float(mesh["edp"].size()))
+    experts.set_force_sum_reduction_for_comms(True)
 
 
 def _shard_mesh(mesh: DeviceMesh, config: TrainConfig) -> DeviceMesh:

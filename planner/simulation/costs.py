@@ -12,7 +12,7 @@ from costmodels.hardware import DeviceSpec, get_device
 from costmodels.memory import ModelStates, get_precision, model_state_bytes
 from costmodels.runtime import collective_time_s, op_time_s
 from planner.config import TrainConfig
-from planner.simulation.fsdp import expert_state_shape
+from planner.simulation.fsdp import expert_shard_ranks, expert_state_shape
 from planner.tracing.collectives import WAIT_OP, collective_first_uses
 from planner.tracing.graph import OpGraph, OpNode
 from planner.tracing.op_classes import ATTENTION_BACKWARD_OPS, ATTENTION_OPS, COLLECTIVE_OPS
@@ -158,8 +158,8 @@ def model_states_for(graph: OpGraph, config: TrainConfig) -> ModelStates:
     shapes = graph.param_shapes
     experts = graph.meta.get("ep_expert_params", ())  # per parameter: whether it is an expert's
     if config.zero_stage == 3 and any(experts):
-        ep = int(graph.meta["ep"])
-        shapes = [expert_state_shape(tuple(s), ep) if e else tuple(s) for s, e in zip(shapes, experts, strict=True)]
+        ranks = config.shard_ranks, expert_shard_ranks(graph, config.shard_ranks)
+        shapes = [expert_state_shape(tuple(s), *ranks) if e else tuple(s) for s, e in zip(shapes, experts, strict=True)]
     flags = graph.param_trainable if len(graph.param_trainable) == len(shapes) else (True,) * len(shapes)
     trainable = [s for s, t in zip(shapes, flags) if t]  # only these have a gradient and optimizer states
     states = model_state_bytes(

@@ -42,6 +42,7 @@ from planner.tracing.graph import OpGraph, TensorInfo
 __all__ = [
     "expert_params",
     "state_shape",
+    "expert_shard_ranks",
     "FsdpUnit",
     "fsdp_buffers",
     "fsdp_itemsizes",
@@ -102,19 +103,28 @@ def expert_params(graph: OpGraph) -> frozenset[int]:
     return memo("expert_params", graph, (), find)
 
 
-def expert_state_shape(local_shape: tuple[int, ...], ep: int) -> tuple[int, ...]:
-    """The shape whose ZeRO-3 shard a rank keeps of an expert parameter: its local experts times ep
-    (FSDP2 shards them over the dp / ep ranks that hold the same experts)."""
-    return (local_shape[0] * ep, *local_shape[1:]) if local_shape else local_shape
+def expert_shard_ranks(graph: OpGraph, shard_ranks: int) -> int:
+    """Ranks FSDP2 shards an expert parameter over: the dp × cp ranks that hold the same experts
+    (``shard_ranks // ep``), times the tensor-parallel ranks that hold them whole
+    (``ep_plans.expert_tp_replicas``)."""
+    meta = graph.meta
+    return max(1, shard_ranks // int(meta.get("ep", 1))) * int(meta.get("ep_expert_tp_replicas", 1))
 
 
-def state_shape(graph: OpGraph, tensor_id: int, zero_stage: int) -> tuple[int, ...]:
+def expert_state_shape(local_shape: tuple[int, ...], shard_ranks: int, expert_ranks: int) -> tuple[int, ...]:
+    """The shape whose ZeRO-3 shard over `shard_ranks` is the one a rank keeps of an expert
+    parameter that FSDP2 shards over `expert_ranks` (:func:`expert_shard_ranks`): dim 0 padded there."""
+    if not local_shape:
+        return local_shape
+    return (math.ceil(local_shape[0] / expert_ranks) * shard_ranks, *local_shape[1:])
+
+
+def state_shape(graph: OpGraph, tensor_id: int, config: TrainConfig) -> tuple[int, ...]:
     """The shape whose ZeRO-3 shard a rank keeps of a traced parameter: an expert parameter's
     (expert_state_shape), any other as traced."""
     shape = tuple(graph.tensors[tensor_id].shape)
-    ep = int(graph.meta.get("ep", 1))
-    if zero_stage == 3 and ep > 1 and tensor_id in expert_params(graph):
-        return expert_state_shape(shape, ep)
+    if config.zero_stage == 3 and int(graph.meta.get("ep", 1)) > 1 and tensor_id in expert_params(graph):
+        return expert_state_shape(shape, config.shard_ranks, expert_shard_ranks(graph, config.shard_ranks))
     return shape
 
 
@@ -141,7 +151,7 @@ def _fsdp_units(graph: OpGraph, dp: int) -> list[FsdpUnit]:
     owner = param_owners(graph)
     experts = _expert_units(graph, params)
     sizes = [0] * (len(blocks) + 1)
-    expert_dp = max(1, dp // graph.meta.get("ep", 1))
+    expert_dp = expert_shard_ranks(graph, dp)
     expert_sizes = [0] * len(experts)
     for tid, t in params.items():
         e = next((k for k, (_, owned) in enumerate(experts) if tid in owned), None)

@@ -34,7 +34,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.config import TrainConfig
-from planner.simulation.fsdp import fsdp_itemsizes, fsdp_units, padded_bytes, param_itemsize, param_owners
+from planner.simulation.fsdp import (
+    expert_shard_ranks,
+    fsdp_itemsizes,
+    fsdp_units,
+    padded_bytes,
+    param_itemsize,
+    param_owners,
+)
 from planner.simulation.pipeline_split import StageCut
 from planner.tracing.graph import OpGraph
 
@@ -116,7 +123,7 @@ def stage_fsdp(graph: OpGraph, config: TrainConfig, cut: StageCut, sizes: dict[i
         ),
         keep_after_forward=config.reshard_after_forward is False,
         prefetched=tuple(
-            u.path not in graph.meta.get("ep_expert_modules", ()) or config.shard_ranks > graph.meta.get("ep", 1)
+            u.path not in graph.meta.get("ep_expert_modules", ()) or expert_shard_ranks(graph, config.shard_ranks) > 1
             for u in blocks
         ),
     )

@@ -463,7 +463,7 @@ def _place(
             for s in sorted({int(stage_of[i]) for i in reads}):
                 (per_microbatch if t.category == "activation" else persistent)[s][CATEGORY_INDEX[t.category]] += z
                 if t.category == "parameter":
-                    param_shapes[s].append(state_shape(graph, t.id, config.zero_stage))
+                    param_shapes[s].append(state_shape(graph, t.id, config))
             continue
         a = t.alloc_op
         sa, a_bwd = int(stage_of[a]), bool(in_bwd[a])

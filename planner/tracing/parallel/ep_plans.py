@@ -11,7 +11,10 @@
 
 Under tensor parallel (memplan's auto plan on torchtitan-style experts) each rank's experts are
 also sharded over the TP ranks, as torchtitan's ``ExpertTensorParallel``: EP over the ``ep``
-dimension, the hidden dimension of every expert over ``tp``.
+dimension, the hidden dimension of every expert over ``tp``. transformers' plan keeps every expert
+whole on each TP rank instead: the TP ranks split the batch they share, each sends its slice of the
+tokens over ``ep`` (its dispatch), and FSDP2 shards those experts over ``edp × tp``
+(:func:`expert_tp_replicas`).
 
 A resolved plan is called ``plan(model, mesh)`` with the ``[edp, ep, tp]`` mesh of expert parallel
 (the TP dimension: the ranks that hold the same batch, which transformers' dispatch needs); the
@@ -35,6 +38,7 @@ __all__ = [
     "expert_hidden_dims",
     "expert_modules",
     "expert_paths",
+    "expert_tp_replicas",
     "expert_trace_meta",
     "is_expert_param",
     "is_grouped_experts",
@@ -104,11 +108,6 @@ def _auto_plan(model: nn.Module, mesh: DeviceMesh) -> None:
     _check_experts(experts, ep)
     hf = _hf_expert_plan(model, ep)
     if hf is not None:
-        if tp_mesh.size() > 1:
-            raise SpecError(
-                f"--ep with --tp on {type(model).__name__}: transformers' expert-parallel plan does not compose with "
-                "tensor parallel in memplan yet; drop --tp, or pass --tp-plan and --ep-plan functions"
-            )
         from transformers.distributed.expert_parallel import apply_expert_parallelism
 
         apply_expert_parallelism(model, ep_mesh, tp_mesh, hf)
@@ -135,13 +134,27 @@ def expert_paths(model: nn.Module) -> list[str]:
     return sorted({n.rpartition(".")[0] for n, p in model.named_parameters() if is_expert_param(p)})
 
 
-def expert_trace_meta(model: nn.Module, ep: int, ep_plan: str) -> dict[str, object]:
+def expert_tp_replicas(model: nn.Module, tp: int) -> int:
+    """How many tensor-parallel ranks hold the same experts: 1 when the EP plan shards the experts
+    over ``tp`` too (memplan's on torchtitan-style experts), else ``tp`` (transformers': each TP rank
+    keeps its experts whole and runs its slice of the tokens)."""
+    for p in model.parameters():
+        if is_expert_param(p):
+            names = p.device_mesh.mesh_dim_names
+            if "tp" in names and p.placements[names.index("tp")].is_shard():
+                return 1
+    return tp
+
+
+def expert_trace_meta(model: nn.Module, ep: int, ep_plan: str, tp: int = 1) -> dict[str, object]:
     """What a rank's trace records of its expert sharding: the degree, the plan, which parameters are
-    experts', their local shapes and the modules holding them (costs.model_states_for reads them)."""
+    experts', their local shapes, the modules holding them and the TP ranks holding the same experts
+    (costs.model_states_for and the FSDP2 model read them)."""
     params = list(model.parameters())
     return {
         "ep": ep,
         "ep_plan": ep_plan,
+        "ep_expert_tp_replicas": expert_tp_replicas(model, tp),
         "ep_expert_params": tuple(is_expert_param(p) for p in params),
         "ep_expert_shapes": [tuple(p.to_local().shape) for p in params if is_expert_param(p)],
         "ep_expert_modules": expert_paths(model),

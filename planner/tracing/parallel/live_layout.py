@@ -75,7 +75,7 @@ def live_layout(model: nn.Module) -> LiveLayout | None:
         ep=ep,
         meshes=tuple(m for m in (next(iter(dense), None), ep_mesh) if m is not None),
         rank=dist.get_rank(),
-        expert_meta=expert_trace_meta(model, ep, "live") if ep > 1 else {},
+        expert_meta=expert_trace_meta(model, ep, "live", tp) if ep > 1 else {},
     )
 
 

@@ -213,7 +213,7 @@ def _trace_rank(
                     plan(model, mesh["tp"])
             if sparse is not None:
                 ep_plan(model, sparse)
-                expert_meta = expert_trace_meta(model, config.ep, config.ep_plan)
+                expert_meta = expert_trace_meta(model, config.ep, config.ep_plan, config.tp)
             keys = tp_role_keys(model, config)
             with step_context(config), _context_parallel(config, mesh, inputs, model_spec.name):
                 graph = trace_model(
