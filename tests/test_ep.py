@@ -285,7 +285,7 @@ def test_tp_with_and_without_ep_matches_gloo_ranks():
     [
         ({"dp": 2, "ep": 2}, {"titan-moe": TITAN_MOE, "mixtral": MIXTRAL}),
         ({"dp": 2, "ep": 2, "zero_stage": 3}, {"titan-moe": TITAN_MOE}),
-        ({"tp": 2, "dp": 2, "ep": 2}, {"titan-moe": TITAN_MOE}),
+        ({"tp": 2, "dp": 2, "ep": 2}, {"titan-moe": TITAN_MOE, "mixtral": MIXTRAL}),
     ],
     ids=["ep2", "ep2-zero3", "tp2xep2"],
 )
