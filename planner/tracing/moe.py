@@ -10,11 +10,13 @@ of the busiest expert do.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
+from memplan_compat import disable_current_modes
 from planner.errors import MemplanError
 
 __all__ = ["RoutingAssumption", "describe_routing", "routed_indices"]
@@ -23,18 +25,24 @@ __all__ = ["RoutingAssumption", "describe_routing", "routed_indices"]
 def routed_indices(tokens: int, experts: int, top_k: int, imbalance: float) -> torch.Tensor:
     """(tokens, top_k) expert indices, distinct per token: expert 0 is chosen by
     round(imbalance x tokens x top_k / experts) tokens (at most every token), the other experts
-    round-robin over the remaining choices."""
+    round-robin over the remaining choices (a new real tensor each call, also inside a trace)."""
+    with disable_current_modes():
+        return _routed_indices(tokens, experts, top_k, imbalance).clone()
+
+
+@functools.lru_cache(maxsize=16)
+def _routed_indices(tokens: int, experts: int, top_k: int, imbalance: float) -> torch.Tensor:
+    # every router of every trace asks (61 layers of 8192 tokens for DeepSeek-V3): computed once
     if top_k >= experts or experts < 2:
         return torch.arange(top_k).repeat(tokens, 1) % experts
     busiest = min(tokens, max(0, round(imbalance * tokens * top_k / experts)))
-    rows, cursor = [], 0
-    for t in range(tokens):
-        row = [0] if t < busiest else []
-        while len(row) < top_k:
-            row.append(1 + cursor % (experts - 1))
-            cursor += 1
-        rows.append(row)
-    return torch.tensor(rows, dtype=torch.long)
+    token = torch.arange(tokens).unsqueeze(1)
+    busy = (token < busiest).long()  # these tokens pick expert 0 first
+    # the round-robin choices made before this token's: top_k per token, one fewer per busy token
+    cursor = token * top_k - torch.clamp(token, max=busiest)
+    slot = torch.arange(top_k).unsqueeze(0)
+    others = 1 + (cursor + slot - busy) % (experts - 1)
+    return torch.where((slot == 0) & (busy == 1), 0, others)
 
 
 @dataclass
