@@ -125,6 +125,20 @@ def test_pinned_degrees_are_kept():
     assert r.layouts and all(x.tp == 2 for x in r.layouts)
 
 
+def test_the_search_gives_the_garbage_collector_back_what_it_froze():
+    import gc
+
+    r = search_layouts(SPEC, CONFIG, max_gpus=4, budget_bytes=6 * MiB, global_batch=32, allow_offload=False)
+    assert r.layouts and gc.get_freeze_count() == 0
+    gc.freeze()  # a caller that keeps objects frozen itself keeps them, and the search moves nothing
+    try:
+        frozen = gc.get_freeze_count()
+        search_layouts(SPEC, CONFIG, max_gpus=4, budget_bytes=MiB, global_batch=32, allow_offload=False)
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
 def test_nothing_fits_says_what_binds_in_one_line():
     r = search_layouts(SPEC, CONFIG, max_gpus=4, budget_bytes=MiB, global_batch=32, allow_offload=False)
     assert r.recommended is None and r.why_none

@@ -20,9 +20,11 @@ the search stops `GROWTH` doublings past the first count on which any layout fit
 
 from __future__ import annotations
 
+import gc
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 from costmodels.hardware import DeviceSpec, get_device
@@ -595,15 +597,18 @@ def search_layouts(
     layouts: list[Layout] = []
     first_fit: int | None = None
     counts = _powers_of_two(max_gpus)
-    for done, gpus in enumerate(counts):
-        if first_fit is not None and gpus > first_fit << GROWTH:
-            break
-        if progress is not None:
-            progress(done, len(counts), f"{gpus} GPUs")
-        for tp, ep, cp, pp, schedule, v in _shapes(search, gpus, per_node, config):
-            layouts += _shape_layouts(search, gpus, tp, ep, cp, pp, schedule, v, config)
-        if first_fit is None and any(x.fits and x.gpus == gpus for x in layouts):
-            first_fit = gpus
+    with _collections_skip_traces() as traced:
+        for done, gpus in enumerate(counts):
+            if first_fit is not None and gpus > first_fit << GROWTH:
+                break
+            if progress is not None:
+                progress(done, len(counts), f"{gpus} GPUs")
+            shapes = _shapes(search, gpus, per_node, config)  # traces each new degree's graph
+            traced()
+            for tp, ep, cp, pp, schedule, v in shapes:
+                layouts += _shape_layouts(search, gpus, tp, ep, cp, pp, schedule, v, config)
+            if first_fit is None and any(x.fits and x.gpus == gpus for x in layouts):
+                first_fit = gpus
     if progress is not None:
         progress(len(counts), len(counts), "done")
     fitting = [x for x in layouts if x.fits]
@@ -624,6 +629,21 @@ def search_layouts(
         recipe=None if recommended is None else launch_recipe(recommended, spec, per_node, config),
         recommended_plan=plan,
     )
+
+
+@contextmanager
+def _collections_skip_traces() -> Iterator[Callable[[], None]]:
+    """A call that moves what exists now (the graphs traced so far: hundreds of thousands of
+    objects that live until the search ends) out of the garbage collector's reach, so the
+    collections that the simulations' short-lived objects trigger stop scanning them (llama-70b:
+    6 s of collections in a 50 s search, 3 s with it); all collected as usual on exit. Nothing is
+    moved where the caller keeps objects frozen (``gc.freeze``) itself."""
+    own = gc.get_freeze_count() == 0
+    try:
+        yield gc.freeze if own else (lambda: None)
+    finally:
+        if own:
+            gc.unfreeze()
 
 
 def _check_pinned(config: TrainConfig, gpus_per_node: int, blocks: int) -> None:
