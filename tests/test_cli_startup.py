@@ -34,3 +34,21 @@ def test_help_and_oom_message_import_nothing_heavy() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "", f"imported by --help: {done.stdout.strip()}"
+
+
+def test_the_executable_collects_garbage_less_often_and_main_leaves_the_callers_collector() -> None:
+    script = textwrap.dedent("""
+        import contextlib, gc, io, sys
+        from planner.cli.main import GC_THRESHOLDS, main, run_command
+
+        before = gc.get_threshold()
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(["diagnose", "--oom-message", "CUDA out of memory. Tried to allocate 2.00 GiB"]) == 0
+        assert gc.get_threshold() == before
+        sys.argv = ["memplan", "diagnose", "--oom-message", "CUDA out of memory. Tried to allocate 2.00 GiB"]
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert run_command() == 0
+        assert gc.get_threshold() == GC_THRESHOLDS != before
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
