@@ -437,15 +437,17 @@ def _drop_parameter_saves(tensors: dict[int, TensorInfo]) -> None:
 
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
-    """model.to(dtype) for floating parameters and buffers; works on fake tensors, where
-    Module.to cannot swap parameter tensors. A parameter shared by several modules (tied weights)
-    stays one parameter."""
+    """model.to(dtype) for floating parameters and buffers of a model built to be traced; works on
+    fake tensors, where Module.to cannot swap parameter tensors. Parameters get new, uninitialised
+    storage (their values are not kept: a traced model's weights skip init; one op each instead of
+    a copy's three, -45% on llama-70b's 723); buffers are cast with their values. A parameter shared
+    by several modules (tied weights) stays one parameter."""
     cast: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             if p.is_floating_point():
                 if id(p) not in cast:
-                    cast[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+                    cast[id(p)] = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad)
                 setattr(module, name, cast[id(p)])
         for name, b in list(module.named_buffers(recurse=False)):
             if b is not None and b.is_floating_point():
