@@ -36,7 +36,7 @@ def test_help_and_oom_message_import_nothing_heavy() -> None:
     assert done.stdout.strip() == "", f"imported by --help: {done.stdout.strip()}"
 
 
-def test_the_executable_collects_garbage_less_often_and_main_leaves_the_callers_collector() -> None:
+def test_the_fake_only_commands_collect_garbage_less_often_and_main_leaves_the_callers_collector() -> None:
     script = textwrap.dedent("""
         import contextlib, gc, io, sys
         from planner.cli.main import GC_THRESHOLDS, main, run_command
@@ -49,6 +49,14 @@ def test_the_executable_collects_garbage_less_often_and_main_leaves_the_callers_
         with contextlib.redirect_stdout(io.StringIO()):
             assert run_command() == 0
         assert gc.get_threshold() == GC_THRESHOLDS != before
+        gc.set_threshold(*before)
+        sys.argv = ["memplan", "verify", "--help"]  # a command that measures real steps keeps the defaults
+        with contextlib.redirect_stdout(io.StringIO()):
+            try:
+                run_command()
+            except SystemExit:
+                pass
+        assert gc.get_threshold() == before
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

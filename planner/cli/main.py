@@ -101,15 +101,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 GC_THRESHOLDS = (50_000, 20, 20)
-"""The executable's garbage-collector thresholds (CPython's are 700, 10, 10). A trace makes millions
-of short-lived objects, and with the default thresholds collections took 12-17% of a llama-70b
-`simulate` (0.64 of 5.3 s) or `plan` (1.7 of 10 s); with these, 0.2-0.5 s, at the same peak memory."""
+"""The garbage-collector thresholds of the commands that only trace on fake tensors (CPython's are
+700, 10, 10). A trace makes millions of short-lived objects, and with the default thresholds
+collections took 12-17% of a llama-70b `simulate` (0.64 of 5.3 s) or `plan` (1.7 of 10 s); with
+these, 0.2-0.5 s, at the same peak memory."""
+
+FAKE_ONLY_COMMANDS = ("simulate", "plan", "fit", "diagnose")
+"""Commands that run no real model: the others (verify, calibrate, ...) measure real steps, whose
+tensors must be freed when a default collection would free them."""
 
 
 def run_command() -> int:
     """The ``memplan`` executable: :func:`main` in a process of its own, whose garbage collector
-    runs less often (GC_THRESHOLDS). Callers of :func:`main` keep theirs."""
-    gc.set_threshold(*GC_THRESHOLDS)
+    runs less often for FAKE_ONLY_COMMANDS (GC_THRESHOLDS). Callers of :func:`main` keep theirs."""
+    if sys.argv[1:2] and sys.argv[1] in FAKE_ONLY_COMMANDS:
+        gc.set_threshold(*GC_THRESHOLDS)
     return main()
 
 
