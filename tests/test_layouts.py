@@ -134,7 +134,8 @@ def test_the_search_gives_the_garbage_collector_back_what_it_froze():
     try:
         frozen = gc.get_freeze_count()
         search_layouts(SPEC, CONFIG, max_gpus=4, budget_bytes=MiB, global_batch=32, allow_offload=False)
-        assert gc.get_freeze_count() == frozen
+        # not given back, and nothing new frozen (frozen objects may still die by reference count)
+        assert 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
 
