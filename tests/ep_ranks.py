@@ -40,11 +40,12 @@ def _grad_error(spec: str, config, sharded, inputs) -> float:
             loss_of(run_step_inputs(sharded, inputs)).backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     tp_slices = config.ep > 1 and config.zero_stage != 3 and expert_tp_replicas(sharded, config.tp) > 1
+    tp_group = ep_mesh(config)["tp"].get_group() if tp_slices else None
     worst = 0.0
     for name, p in sharded.named_parameters():
         expert = is_expert_param(p)
-        if expert and tp_slices:
-            dist.all_reduce(p.grad.to_local(), group=ep_mesh(config)["tp"].get_group())
+        if expert and tp_group is not None:
+            dist.all_reduce(p.grad.to_local(), group=tp_group)
         got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         want = ref_grads[name] * (config.ep if expert else 1)
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()) + 1e-12):

@@ -101,8 +101,9 @@ def build_parallel_model(
     if checkpoint is not None:
         checkpoint(model, inputs)
     if config.shard_ranks > 1 and config.zero_stage == 3:
+        tp_replicas = expert_tp_replicas(model, config.tp)
         for path in experts:  # torchtitan: the experts over the dp / ep ranks holding the same ones, first
-            shard_experts(model.get_submodule(path), sparse, expert_tp_replicas(model, config.tp), config)
+            shard_experts(model.get_submodule(path), sparse, tp_replicas, config)
         shard_model(model, units, config, mesh=_shard_mesh(mesh, config))
     return model, inputs
 
