@@ -88,7 +88,11 @@ def _auto_worker(rank: int, world_size: int, init_file: str, cases: list, queue)
             model, inputs = build_parallel_model(spec, config, checkpoint=checkpoint)
             grad_error = (ep_grad_error if config.ep > 1 else _grad_error)(spec, config, model, inputs)
             peak = measure_parallel_step(model, inputs, config).peak_bytes
-            queue.put((key, rank, peak, grad_error, handles[0].plan.to_dict()))
+            plan = handles[0].plan.to_dict()
+            handles[0].set_budget(handles[0].budget_bytes + 1)  # a new plan, on the model fully_shard wrapped
+            handles[0].install()
+            assert handles[0].plan.budget_bytes == plan["budget_bytes"] + 1
+            queue.put((key, rank, peak, grad_error, plan))
     finally:
         dist.destroy_process_group()
 

@@ -28,9 +28,11 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def check_plan_matches(plan: Plan | CompiledPlan, model: Any) -> None:
-    """Raise PlanFileError saying what differs when ``plan`` was made for another model."""
-    info = model_info(model, plan.model.spec)
+def check_plan_matches(plan: Plan | CompiledPlan, model: Any, identity: ModelInfo | None = None) -> None:
+    """Raise PlanFileError saying what differs when ``plan`` was made for another model.
+    `identity`: the model's, when known from an earlier check (a wrapper such as fully_shard
+    changes the fingerprint of a model, not what it is)."""
+    info = identity or model_info(model, plan.model.spec)
     names = {name for name, _ in model.named_modules()}
     modules = plan.budgets if isinstance(plan, CompiledPlan) else (d.module for d in plan.decisions)
     missing = list(dict.fromkeys(m for m in modules if m not in names and not is_segment_of(model, m)))

@@ -221,6 +221,9 @@ class PlanHandle:
         self.ladder = ladder
         self._by_bucket = {s: module_plans(p.decisions) for s, p in plans.items()}
         first = next(iter(plans))
+        # the identity the plans were checked against: fully_shard may wrap the model afterwards
+        # (torchtitan's order), which changes its fingerprint, not the model a plan is for
+        self._model_identity = plans[first].model
         self.active_bucket: int | None = first if ladder is None else None
         self.active_seq_len: int | None = None
         self._active: dict[str, ModulePlan] = self._by_bucket[first] if ladder is None else {}
@@ -286,7 +289,7 @@ class PlanHandle:
             raise RuntimeError("this PlanHandle was removed; apply the plan again before training")
         if self.ladder is not None:
             raise ValueError("use_plan switches a single-plan handle; a ladder picks its plans itself")
-        check_plan_matches(plan, self.model)
+        check_plan_matches(plan, self.model, self._model_identity)
         plans = module_plans(plan.decisions)
         if self.spill_dir is None and any(mp.target == "disk" for mp in plans.values()):
             self._make_spill_dir()
