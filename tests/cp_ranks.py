@@ -51,3 +51,47 @@ def ring_attention_errors(world_size: int, rotate: str = "allgather") -> list[tu
     """(rank, largest |error| of out, dQ, dK and dV against full attention, ring calls forward, backward,
     the rank's global positions) for every rank."""
     return sorted(run_on_gloo_ranks(_worker, world_size, rotate, timeout_s=300))
+
+
+def _auto_worker(rank: int, world_size: int, init_file: str, case: tuple, queue) -> None:
+    """auto_checkpoint on this rank's model (before fully_shard), told the cp mesh; then its
+    first gradients under context parallel against the same model without a plan, and its peak."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from planner.runtime.auto import auto_checkpoint
+    from planner.runtime.parallel_verify import build_parallel_model, measure_parallel_step
+    from planner.tracing.recorder import loss_of, run_step_inputs
+
+    spec, config, budget = case
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        cp_mesh = init_device_mesh("cpu", (config.dp, config.cp, config.tp), mesh_dim_names=("dp", "cp", "tp"))["cp"]
+        handles = []
+
+        def checkpoint(model, inputs) -> None:
+            options = {"zero_stage": config.zero_stage, "dp": config.dp, "gpu": "cpu", "cp_rotate": config.cp_rotate}
+            lengths = (config.seq_len // 2, config.seq_len)  # it follows the step's length, not the shard's
+            handles.append(auto_checkpoint(model, inputs, budget, cp_mesh=cp_mesh, seq_lens=lengths, **options))
+
+        grads = []
+        for plan_it in (False, True):
+            model, inputs = build_parallel_model(spec, config, checkpoint=checkpoint if plan_it else None)
+            with context_parallel_step(cp_mesh, inputs, config.seq_len, config.cp_rotate):
+                loss_of(run_step_inputs(model, inputs)).backward()
+                grads.append(
+                    [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
+                )
+                for p in model.parameters():
+                    p.grad = None
+                peak = measure_parallel_step(model, inputs, config).peak_bytes
+        error = max(float((a - b).abs().max()) for a, b in zip(*grads))
+        queue.put((rank, peak, error, handles[0].plan.to_dict(), handles[0].last_seq_len))
+    finally:
+        dist.destroy_process_group()
+
+
+def auto_checkpoint_on_cp_ranks(spec: str, config, budget: int) -> list[tuple]:
+    """(rank, measured peak with auto_checkpoint's plan, largest |gradient difference| from the same
+    step without a plan, the plan installed, the sequence length the handle saw) for every rank."""
+    return sorted(run_on_gloo_ranks(_auto_worker, config.world_size, (spec, config, budget), timeout_s=600))

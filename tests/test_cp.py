@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from cli_helpers import assert_user_error, run
 
 from planner.config import TrainConfig
+from planner.plans.format import load_plan
 from planner.simulation.layout import simulate_ranks
 from planner.tracing.parallel.rank_trace import trace_tp_rank
 from planner.tracing.recorder import trace
@@ -329,3 +330,29 @@ def test_fit_searches_context_parallel_inside_pipelines(capsys, tmp_path):
     code, _, err = run([*argv, "--gpu", "h100-80gb", *x.flags().split(), "--json", str(out)], capsys)
     assert code == 0, err
     assert json.loads(out.read_text())["peak_bytes"] == x.peak_bytes, x.flags()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "spec, layout", [("llama-7b-tiny", {}), (HF_LLAMA, {"zero_stage": 3})], ids=["cp2", "cp2-fsdp2-hf"]
+)
+def test_auto_checkpoint_under_context_parallel_installs_the_plan_on_every_gloo_rank(spec, layout):
+    """auto_checkpoint(..., cp_mesh=) on each rank: the decisions `memplan plan --cp 2` makes, every
+    rank within 1% of its prediction and of the budget, gradients as without the plan; following
+    the step's sequence length, not the shard's the model sees."""
+    from cp_ranks import auto_checkpoint_on_cp_ranks
+
+    from planner.api import plan_model
+
+    config = _config(**layout)
+    budget = int(0.95 * simulate_ranks(spec, config).peak_bytes)
+    want, _, _ = plan_model(spec, config, budget, time_limit_s=5.0)
+    predicted = {r: role.peak_bytes for role in simulate_ranks(spec, config, want).roles for r in role.ranks}
+    results = auto_checkpoint_on_cp_ranks(spec, config, budget)
+    assert want.decisions and [r[0] for r in results] == [0, 1]
+    for rank, peak, grad_error, plan, seen_len in results:
+        assert load_plan(plan).decisions == want.decisions and seen_len == S, (rank, seen_len)
+        assert abs(peak - predicted[rank]) <= 0.01 * peak, (rank, peak, predicted[rank])
+        assert peak <= budget * 1.01, (rank, peak, budget)
+        assert grad_error == 0.0, (rank, grad_error)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from costmodels.hardware import DEVICES
 from memplan_compat import tree_leaves, tree_map
@@ -55,6 +56,7 @@ _CONFIG_FIELDS = (
     "moe_imbalance",
     "loss_parallel",
     "reshard_after_forward",
+    "cp_rotate",
 )
 _PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 # CUDA device names (torch.cuda.get_device_name) -> memplan device, longest match first.
@@ -109,11 +111,13 @@ def _gpu_of(model: nn.Module) -> str:
     raise MemplanError(f"memplan has no cost model for device '{name}'; pass gpu= one of {', '.join(DEVICES)}")
 
 
-def config_for(model: nn.Module, inputs: tuple | dict, **config: Any) -> TrainConfig:
-    """The TrainConfig of one step: shapes from the inputs, precision and gpu from the model unless given."""
+def config_for(model: nn.Module, inputs: tuple | dict, cp_mesh: DeviceMesh | None = None, **config: Any) -> TrainConfig:
+    """The TrainConfig of one step: shapes from the inputs (the whole sequence under context
+    parallel over `cp_mesh`), precision and gpu from the model unless given."""
     unknown = sorted(set(config) - set(_CONFIG_FIELDS))
     if unknown:
-        raise MemplanError(f"unknown option(s) {', '.join(unknown)}; pass any of {', '.join(_CONFIG_FIELDS)}")
+        hint = "; context parallel: pass cp_mesh= (the mesh context_parallel shards over)" if "cp" in unknown else ""
+        raise MemplanError(f"unknown option(s) {', '.join(unknown)}; pass any of {', '.join(_CONFIG_FIELDS)}{hint}")
     layout = live_layout(model)  # a model parallelize_module sharded is traced as this rank's share
     tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     if not tensors:
@@ -129,6 +133,8 @@ def config_for(model: nn.Module, inputs: tuple | dict, **config: Any) -> TrainCo
     config.setdefault("gpu", _gpu_of(model))
     try:
         parallel = {"tp": layout.tp, "ep": layout.ep} if layout else {}
+        if cp_mesh is not None:
+            parallel["cp"] = cp_mesh.size()
         return TrainConfig(batch_size=batch_size, seq_len=seq_len, **parallel, **config)
     except MemplanError:
         raise
@@ -302,7 +308,7 @@ class AutoHandle:
     def _agreed(self, *values: int) -> Any:
         """The smallest of each value over all ranks (the values unchanged for a model that is not
         parallel): a recompute's collectives run on every rank, so they solve for one target."""
-        if self.tracer.layout is None:
+        if not self.tracer.distributed:
             return values[0] if len(values) == 1 else values
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
         agreed = torch.tensor(values, dtype=torch.int64, device=device)
@@ -313,7 +319,7 @@ class AutoHandle:
     def _solved_on_every_rank(self, solve: Callable[[], Plan]) -> Plan:
         """`solve()` on this rank; for a parallel model a failure on any rank is raised on every rank
         (the others would otherwise wait for it in the next agreement), as that rank's error."""
-        if self.tracer.layout is None:
+        if not self.tracer.distributed:
             return solve()
         try:
             plan, failure = solve(), None
@@ -340,7 +346,7 @@ class AutoHandle:
         ranks under moe_imbalance) may solve differently: all take the plan of the rank heaviest
         without one, as `memplan plan` solves for the worst rank; each simulates it on its own trace,
         and one it leaves over the target stops them all in one line."""
-        if self.tracer.layout is None:
+        if not self.tracer.distributed:
             return plan
         key = (self.seq_len, self.target_bytes)
         if key not in self._agreed_plans:
@@ -382,8 +388,9 @@ class AutoHandle:
     def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not torch.is_grad_enabled():
             return  # evaluation saves nothing for backward: any plan will do
-        seq_len = batch_seq_len(args, kwargs) if self.follow else 0
-        if self.tracer.layout is not None:  # a change on one rank (a monitor's target) is made on all
+        # inside context_parallel the model sees its rank's shard: 1/cp of the step's sequence
+        seq_len = batch_seq_len(args, kwargs) * self.tracer.cp if self.follow else 0
+        if self.tracer.distributed:  # a change on one rank (a monitor's target) is made on all
             target, minus_len = self._agreed(self.target_bytes, -seq_len)
             seq_len = -minus_len
             if target != self.target_bytes:
@@ -398,7 +405,10 @@ class AutoHandle:
                         "cannot trace a batch passed both positionally and by keyword; "
                         "pass seq_lens= covering every length instead"
                     )
-                self._graphs[seq_len] = self.tracer.trace(tuple(args) if args else dict(kwargs))
+                batch = tuple(args) if args else dict(kwargs)
+                if self.tracer.cp > 1:  # a whole sequence of that length, the shard tiled
+                    batch = _at_length(batch, seq_len // self.tracer.cp, seq_len)
+                self._graphs[seq_len] = self.tracer.trace(batch)
                 bucket = seq_len
             if bucket != self.seq_len:
                 reason = f"sequence length {seq_len}: plan for length {bucket}"
@@ -476,10 +486,11 @@ def _trace_all(
     inputs: Any,
     seq_lens: Sequence[int] | PlanLadder,
     blocks: Sequence[str],
+    cp_mesh: DeviceMesh | None,
     config: Mapping[str, Any],
 ) -> tuple[TrainConfig, LiveTracer, dict[int, OpGraph]]:
     inputs = _as_inputs(inputs)
-    train_config = config_for(model, inputs, **config)
+    train_config = config_for(model, inputs, cp_mesh, **config)
     tracer = LiveTracer(
         model,
         train_config.precision,
@@ -488,6 +499,8 @@ def _trace_all(
         moe_imbalance=train_config.moe_imbalance,
         gpu=train_config.gpu,
         loss_parallel=train_config.loss_parallel,
+        cp_mesh=cp_mesh,
+        cp_rotate=train_config.cp_rotate,
     )
     graphs = {train_config.seq_len: tracer.trace(inputs)}
     lengths = [n for n, _ in seq_lens.buckets] if isinstance(seq_lens, PlanLadder) else list(seq_lens)
@@ -509,10 +522,11 @@ def plan_for(
     blocks: Sequence[str] = (),
     offload: str | None = None,
     time_limit_s: float = 10.0,
+    cp_mesh: DeviceMesh | None = None,
     **config: Any,
 ) -> Plan:
     """The plan auto_checkpoint would apply, without applying it (see auto_checkpoint)."""
-    train_config, _, graphs = _trace_all(model, inputs, (), blocks, config)
+    train_config, _, graphs = _trace_all(model, inputs, (), blocks, cp_mesh, config)
     graph = graphs[train_config.seq_len]
     budget_bytes = parse_budget(budget, simulate(graph, train_config).peak_bytes)
     return solve(graph, train_config, budget_bytes, offload=offload, time_limit_s=time_limit_s)
@@ -529,6 +543,7 @@ def auto_checkpoint(
     offload: str | None = None,
     time_limit_s: float = 10.0,
     replan_time_limit_s: float = REPLAN_TIME_LIMIT_S,
+    cp_mesh: DeviceMesh | None = None,
     **config: Any,
 ) -> AutoHandle:
     """Trace `model` on fake copies of `inputs`, solve under `budget` and apply the plan.
@@ -547,8 +562,10 @@ def auto_checkpoint(
     Call it on every rank after ``parallelize_module`` and the expert-parallel plan, before
     ``fully_shard`` (torchtitan's order): a tensor- or expert-parallel model is traced as this
     rank's share, and all ranks install one plan (the one of the rank heaviest without a plan).
+    Under context parallel pass `cp_mesh`, the mesh the step's ``context_parallel`` shards over, and
+    the whole batch as `inputs` (what the step hands context_parallel): each rank plans its share.
     """
-    train_config, tracer, graphs = _trace_all(model, inputs, seq_lens, blocks, config)
+    train_config, tracer, graphs = _trace_all(model, inputs, seq_lens, blocks, cp_mesh, config)
     follow = bool(list(seq_lens.buckets) if isinstance(seq_lens, PlanLadder) else list(seq_lens))
     return AutoHandle(
         model,

@@ -5,7 +5,9 @@ and dtypes, wherever the real ones live (meta included). Each batch is copied as
 small integer tensors (ids, positions, masks) keeping real values that answer data-dependent
 checks, as planner.tracing.recorder.trace does for specs. A model that ``parallelize_module``
 sharded keeps its DTensors' meshes and placements around fake local shards, so the trace is this
-rank's (planner/tracing/parallel/live_layout.py).
+rank's (planner/tracing/parallel/live_layout.py). Under context parallel (a ``cp_mesh``) each step
+runs inside torch's ``context_parallel`` over that mesh, on the full-length fake batch, as the
+training step runs it on the real one (planner/tracing/parallel/context_parallel.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from planner.tracing.attention import TargetAttention
 from planner.tracing.graph import OpGraph
 from planner.tracing.hf import disable_kv_cache, eager_transformers
 from planner.tracing.moe import RoutingAssumption
+from planner.tracing.parallel.context_parallel import context_parallel_step
 from planner.tracing.parallel.live_layout import fake_dtensor, live_layout
 from planner.tracing.parallel.tp_plans import loss_parallel_context
 from planner.tracing.recorder import trace_model
@@ -120,6 +123,8 @@ class LiveTracer:
         moe_imbalance: float = 1.0,
         gpu: str = "cpu",
         loss_parallel: bool = True,
+        cp_mesh: DeviceMesh | None = None,
+        cp_rotate: str = "allgather",
     ) -> None:
         if any(getattr(m.__dict__.get("forward"), "_memplan_wrapper", False) for m in model.modules()):
             raise MemplanError("this model already has a memplan plan applied; call remove() on its handle first")
@@ -139,6 +144,8 @@ class LiveTracer:
         self.shadow = ShadowMode(self.fake_mode, route=self.routing)
         self.layout = live_layout(model)
         self.loss_parallel = loss_parallel
+        self.cp_mesh = cp_mesh if cp_mesh is not None and cp_mesh.size() > 1 else None
+        self.cp_rotate = cp_rotate
         memo: dict[int, Any] = {}
         with _disable_current_modes():  # a monitor's live-bytes counter must not see the copy
             with self.fake_mode:
@@ -161,6 +168,17 @@ class LiveTracer:
         vocabulary-sharded logits (the user's step does; plain logits are untouched by it)."""
         return loss_parallel_context(self.layout.tp if self.layout is not None else 1, self.loss_parallel)
 
+    @property
+    def distributed(self) -> bool:
+        """Whether each rank traces its own share (tensor, expert or context parallel): its ranks
+        then agree on one plan, because a recompute runs the share's collectives."""
+        return self.layout is not None or self.cp_mesh is not None
+
+    @property
+    def cp(self) -> int:
+        """Context-parallel ranks the sequence is sharded over (1 without a ``cp_mesh``)."""
+        return self.cp_mesh.size() if self.cp_mesh is not None else 1
+
     def _fake(self, t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor):
             return t
@@ -177,6 +195,10 @@ class LiveTracer:
         for p in self.fake_model.parameters():
             p.grad = None
         self.routing.routers = 0
+        tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+        args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
+        seq_len = batch_seq_len(args, kwargs) if any(t.dim() >= 2 for t in tensors) else 1
+        ring = None
         with ExitStack() as stack:
             stack.enter_context(_disable_current_modes())  # a monitor's live-bytes counter must not see this
             stack.enter_context(torch.enable_grad())
@@ -188,17 +210,26 @@ class LiveTracer:
             if self.target.is_cuda:
                 stack.enter_context(TargetAttention(self.target))
             stack.enter_context(self._step_context())
+            if self.cp_mesh is not None:
+                ring = stack.enter_context(context_parallel_step(self.cp_mesh, fake_inputs, seq_len, self.cp_rotate))
             graph = trace_model(
                 self.fake_model, fake_inputs, precision=precision or self.precision, name=self.name, blocks=self.blocks
             )
         for p in self.fake_model.parameters():
             p.grad = None
-        tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
-        args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
-        seq_len = batch_seq_len(args, kwargs) if any(t.dim() >= 2 for t in tensors) else 1
+        if ring is not None and ring.forward == 0:
+            raise TraceError(
+                "the model calls no torch.nn.functional.scaled_dot_product_attention, which is what context "
+                "parallel shards; drop cp_mesh, or use SDPA attention (transformers: attn_implementation='sdpa')"
+            )
         graph.meta.update(batch_size=int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 1, seq_len=seq_len)
         if self.layout is not None:
             graph.meta.update(self.layout.meta())
+        if self.cp_mesh is not None:
+            members = self.cp_mesh.mesh.flatten().tolist()  # the ring's group, priced on its link (costs.py)
+            ring_group = {self.cp_mesh.get_group().group_name: (self.cp, members[1] - members[0])}
+            graph.meta.update(cp=self.cp, cp_index=self.cp_mesh.get_local_rank(), cp_rotate=self.cp_rotate)
+            graph.meta["groups"] = {**graph.meta.get("groups", {}), **ring_group}
         if self.routing.routers:  # as planner.tracing.recorder.trace: the routers of one forward
             self.routing.routers = sum(op.name == "aten.topk.default" for op in graph.ops[: graph.backward_start])
             graph.meta["moe"] = self.routing.to_dict()
