@@ -121,6 +121,8 @@ def test_config_defaults_and_bad_options():
     assert config_for(model, inputs, grad_accum_steps=4).grad_accum_steps == 4
     with pytest.raises(MemplanError, match="unknown option"):
         config_for(model, inputs, batch=3)
+    with pytest.raises(MemplanError, match="pass cp_mesh="):  # context parallel needs the mesh it runs on
+        config_for(model, inputs, cp=2)
     with pytest.raises(MemplanError, match="precision"):
         auto_checkpoint(model, inputs, "80%", precision="bf16")
     with pytest.raises(MemplanError, match="inputs"):
