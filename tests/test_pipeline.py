@@ -178,7 +178,6 @@ def test_simulate_cli_pipeline_errors(capsys, extra, needle):
     ("extra", "needle"),
     [
         (["--precision", "bf16-mixed"], "fp32 or bf16"),
-        (["--pp-schedule", "interleaved-1f1b", "--stages-per-rank", "2"], "one stage per rank"),
         (["--dp", "2"], "runs the pipeline alone"),
     ],
 )
@@ -206,6 +205,30 @@ def test_verify_pipeline_cli_measures_every_pp_rank(tmp_path, capsys, model):
         (result,) = json.loads(out.read_text())["results"]
         assert len(result["measured_bytes"]) == 2
         assert all(abs(e) < 0.05 for e in result["errors"]), result
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model, schedule, tolerance",
+    [
+        ("llama-70b-tiny", "interleaved-1f1b", 0.02),
+        ("llama-70b-tiny", "dualpipev", 0.02),
+        ("tests/pp_ranks.py:hf_llama", "zbv-zero-bubble", 0.06),
+    ],
+)
+def test_verify_pipeline_runs_multi_stage_schedules(tmp_path, capsys, model, schedule, tolerance):
+    """Multi-stage schedules hand a stage's outputs to the next stage only (a V schedule's middle
+    stages on one rank by position): the traced stages relay what a later stage reads. Each pp rank
+    is measured within `tolerance` of its prediction (transformers' stages also hold the rotary
+    tables and labels they receive, where the simulation's stages make them)."""
+    out = tmp_path / "verify.json"
+    argv = ["verify", "--model", model, "--seq-len", "64", "--batch-size", "4", "--pp", "2", "--microbatches", "4"]
+    code, _, err = run([*argv, "--pp-schedule", schedule, "--stages-per-rank", "2", "--json", str(out)], capsys)
+    assert code == 0, err
+    (result,) = json.loads(out.read_text())["results"]
+    assert len(result["measured_bytes"]) == 2
+    assert all(abs(e) < tolerance for e in result["errors"]), result
 
 
 def test_simulate_sweep_simulates_the_pipeline(tmp_path, capsys):
@@ -363,3 +386,35 @@ def test_expert_parallel_stages_match_gloo_ranks(tmp_path, builder):
     for pred, meas in zip(predicted["planned"], measured["planned"], strict=True):
         assert abs(pred - meas) / meas < 0.03 and meas <= plan.budget_bytes * 1.03, (predicted["planned"], meas)
     assert max(predicted["planned"]) <= plan.budget_bytes < max(measured["1f1b-fsdp2"])
+
+
+def test_relayed_stages_take_exactly_their_predecessors_outputs_and_compute_the_same_loss():
+    """What a multi-stage schedule needs of torch's traced stages: each stage after the first takes
+    its predecessor's outputs, all and in order; the relayed step computes the loss it did."""
+    import operator
+
+    import torch
+
+    from planner.runtime.pipeline_verify import _traced_pipe
+
+    one = _config("1f1b", pp=4, microbatches=4, seq_len=64)  # four stages, one per rank: not relayed
+    many = _config("interleaved-1f1b", microbatches=4, seq_len=64)  # four stages, two per rank
+    direct, inputs = _traced_pipe("tests/pp_ranks.py:hf_llama", one, (1, 1, 1, 1), seed=0)
+    relayed, _ = _traced_pipe("tests/pp_ranks.py:hf_llama", many, (1, 1, 1, 1), seed=0)
+    micro = [t[:1] for t in inputs]
+    with torch.no_grad():
+        losses = [torch.fx.Interpreter(pipe.split_gm).run(*micro)[0] for pipe in (direct, relayed)]
+    assert torch.equal(*losses)
+    stages = [n for n in relayed.split_gm.graph.nodes if n.op == "call_module"]
+    skipping = [  # the unrelayed step sends some values past the next stage (labels, rotary tables)
+        a
+        for k, n in enumerate(n for n in direct.split_gm.graph.nodes if n.op == "call_module")
+        for a in n.args
+        if a.op != "placeholder" and a.args[0].name != f"submod_pp_{k - 1}"
+    ]
+    assert skipping
+    for previous, stage in zip(stages, stages[1:]):
+        outputs = [u for u in previous.users if u.target is operator.getitem]
+        assert list(stage.args) == sorted(outputs, key=lambda u: u.args[1])
+        returned = next(n for n in relayed.split_gm.get_submodule(previous.target).graph.nodes if n.op == "output")
+        assert len(returned.args[0]) == len(stage.args)

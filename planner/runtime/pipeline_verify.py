@@ -5,7 +5,9 @@ the first block of every stage, as planner/simulation/pipeline_split.py cuts the
 also runs what comes before the first block, the last stage what comes after the last one and the
 loss — and every value that crosses a cut is sent to the stage that reads it. The traced step
 takes the step's inputs on stage 0 (each passed through a view there, so labels reach the loss
-through the stages) and returns the loss (:func:`planner.tracing.recorder.loss_of`). Each rank
+through the stages) and returns the loss (:func:`planner.tracing.recorder.loss_of`). For the
+multi-stage schedules every value a later stage reads is relayed through the stages in between,
+as those schedules hand a stage's outputs to the next stage only. Each rank
 builds its stages, runs ``--microbatches`` microbatches under torch's schedule class for
 ``--pp-schedule``, a warm-up step and measured steps with the optimizer step, and reports the lowest
 peak of live tensor bytes (parameters, optimizer states, the inputs it holds and the stages' receive
@@ -113,8 +115,8 @@ def _recv_buffers(stage) -> list[torch.Tensor]:
     return [b for i in infos if isinstance(b := getattr(i, "buffer", None), torch.Tensor)]
 
 
-def _stage_modules(spec: str, config: TrainConfig, blocks_per_stage: tuple[int, ...], stage_ids, seed: int):
-    """(this rank's stage modules from torch's pipeline tracer, the step's args and kwargs)."""
+def _traced_pipe(spec: str, config: TrainConfig, blocks_per_stage: tuple[int, ...], seed: int):
+    """(torch's pipeline tracer's stages of the step, the step's inputs as positional arguments)."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     torch.manual_seed(seed)
@@ -145,8 +147,92 @@ def _stage_modules(spec: str, config: TrainConfig, blocks_per_stage: tuple[int, 
             f"torch.distributed.pipelining could not trace {spec} into stages ({type(exc).__name__}: {reason}); "
             "verify its stages with your own stage modules"
         ) from None
+    if config.num_stages_per_rank > 1:
+        _relay_skipping_values(pipe.split_gm)
     _detach_constants(pipe, args, mb_kwargs, micro)
-    return pipe, args, kwargs
+    # the step's inputs positionally, in the traced step's order: a multi-stage schedule hands its
+    # keyword arguments to every stage of the rank, not only the first
+    names = [n.target for n in pipe.split_gm.graph.nodes if n.op == "placeholder"]
+    return pipe, (*args, *(kwargs[name] for name in names[len(args) :]))
+
+
+def _relay_skipping_values(split_gm: torch.fx.GraphModule) -> None:
+    """Make every stage take exactly its predecessor's outputs, in their order. torch's multi-stage
+    schedules hand a stage's outputs to the next stage only (a V schedule's same-rank stages by
+    position), so a value read stages later (the labels, a rotary table) passes through each stage
+    in between: its receive buffer there, sent on as it is."""
+    import operator
+
+    top = split_gm.graph
+    stages = [n for n in top.nodes if n.op == "call_module"]
+    index = {n: k for k, n in enumerate(stages)}
+    out_node = next(n for n in top.nodes if n.op == "output")
+
+    def producer(value: torch.fx.Node) -> tuple[int, int]:
+        if value.op == "call_function" and value.target is operator.getitem:
+            return index[value.args[0]], value.args[1]
+        return index.get(value, -1), 0
+
+    readers: dict[torch.fx.Node, list[int]] = {}
+    for k, stage in enumerate(stages):
+        if stage.kwargs or (k > 0 and any(producer(a)[0] < 0 for a in stage.args)):
+            raise MemplanError(
+                "torch's pipeline tracer fed a later stage the step's inputs directly, which a multi-stage schedule "
+                "cannot relay; verify this model under gpipe or 1f1b"
+            )
+        for value in stage.args:
+            readers.setdefault(value, []).append(k)
+    if any(a is not stages[-1] for a in out_node.all_input_nodes):
+        raise MemplanError(
+            "the traced step returns a value of a stage before the last one, which a multi-stage schedule cannot "
+            "relay; verify this model under gpipe or 1f1b"
+        )
+    live = [  # values crossing the cut after stage k, in (producer, output index) order
+        sorted((v for v, ks in readers.items() if 0 <= producer(v)[0] <= k < max(ks)), key=producer)
+        for k in range(len(stages) - 1)
+    ]
+    examples = {v: _example_of(split_gm, v) for v in readers if producer(v)[0] >= 0}
+    for k, stage in enumerate(stages):
+        submod = split_gm.get_submodule(stage.target)
+        graph = submod.graph
+        returned = next(n for n in graph.nodes if n.op == "output")
+        results = returned.args[0] if isinstance(returned.args[0], (tuple, list)) else (returned.args[0],)
+        inputs: dict[torch.fx.Node, torch.fx.Node] = {}
+        if k > 0:
+            old = [n for n in graph.nodes if n.op == "placeholder"]
+            with graph.inserting_before(next(iter(graph.nodes))):
+                inputs = {v: graph.placeholder(f"relayed_{i}") for i, v in enumerate(live[k - 1])}
+            for value, node in zip(stage.args, old, strict=True):
+                node.replace_all_uses_with(inputs[value])
+                graph.erase_node(node)
+            for value, node in inputs.items():
+                node.meta["val"] = examples[value]
+        if k < len(stages) - 1:
+            outputs = tuple(results[producer(v)[1]] if producer(v)[0] == k else inputs[v] for v in live[k])
+            returned.args = (outputs,)
+        submod.recompile()
+    relayed = torch.fx.Graph()
+    relayed._codegen = top._codegen
+    env = {n: relayed.node_copy(n) for n in top.nodes if n.op == "placeholder"}
+    previous: tuple = ()
+    for k, stage in enumerate(stages):
+        args = tuple(env[a] for a in stage.args) if k == 0 else previous
+        node = relayed.call_module(stage.target, args)
+        if k < len(stages) - 1:
+            previous = tuple(relayed.call_function(operator.getitem, (node, i)) for i in range(len(live[k])))
+    relayed.output(torch.fx.map_arg(out_node.args[0], lambda _: node))
+    split_gm.graph = relayed
+    split_gm.recompile()
+
+
+def _example_of(split_gm: torch.fx.GraphModule, value: torch.fx.Node):
+    """The traced example of a top-level value: the producing stage's output at its index."""
+    import operator
+
+    stage, i = (value.args[0], value.args[1]) if value.target is operator.getitem else (value, 0)
+    returned = next(n for n in split_gm.get_submodule(stage.target).graph.nodes if n.op == "output")
+    results = returned.args[0] if isinstance(returned.args[0], (tuple, list)) else (returned.args[0],)
+    return results[i].meta["val"]
 
 
 def _detach_constants(pipe, args: tuple, mb_kwargs: dict, micro: int) -> None:
@@ -173,8 +259,18 @@ def _detach_constants(pipe, args: tuple, mb_kwargs: dict, micro: int) -> None:
                 continue
             with submod.graph.inserting_after(placeholders[-1]):
                 detached = submod.graph.call_method("detach", (node,))
+            detached.meta["val"] = node.meta["val"]  # what torch reads of a stage's outputs (a relayed one)
             node.replace_all_uses_with(detached, delete_user_cb=lambda user, d=detached: user is not d)
         submod.recompile()
+
+
+def _no_warm_up_with_itself(stage) -> None:
+    """Drop the warm-up messages a traced stage would send to its own rank. torch warms up each
+    traced stage's links with its neighbours by point-to-point messages; a V schedule's middle
+    stages are neighbours on one rank, and gloo has no link from a rank to itself."""
+    own = dist.get_rank(stage.group)
+    warm_up = stage._get_init_p2p_neighbors_ops
+    stage._get_init_p2p_neighbors_ops = lambda: [op for op in warm_up() if op.group_peer != own]
 
 
 def _measure_worker(rank: int, world_size: int, init_file: str, payload: tuple, queue) -> None:
@@ -186,8 +282,10 @@ def _measure_worker(rank: int, world_size: int, init_file: str, payload: tuple, 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         stage_ids = stages_of_rank(rank, config.pp, config.num_stages_per_rank, config.pp_schedule)
-        pipe, args, kwargs = _stage_modules(spec, config, blocks_per_stage, stage_ids, seed)
+        pipe, inputs = _traced_pipe(spec, config, blocks_per_stage, seed)
         stages = [pipe.build_stage(s, torch.device("cpu")) for s in stage_ids]
+        for stage in stages:
+            _no_warm_up_with_itself(stage)
         if plan is not None:
             loaded = load_plan(plan)
             for stage, s in zip(stages, stage_ids):
@@ -196,9 +294,8 @@ def _measure_worker(rank: int, world_size: int, init_file: str, payload: tuple, 
         single = issubclass(cls, schedules.PipelineScheduleSingle)
         schedule = cls(stages[0] if single else stages, config.num_microbatches, loss_fn=lambda loss, _: loss)
         num_stages = config.pp * config.num_stages_per_rank
-        step_args, step_kwargs = (args, kwargs) if 0 in stage_ids else ((), {})
-        if num_stages - 1 in stage_ids:
-            step_kwargs = {**step_kwargs, "target": torch.zeros(config.batch_size)}
+        step_args = inputs if 0 in stage_ids else ()
+        step_kwargs = {"target": torch.zeros(config.batch_size)} if num_stages - 1 in stage_ids else {}
         optimizer = make_optimizer([p for s in stages for p in s.submod.parameters()], config.optimizer)
         peak = measure_schedule(schedule, [s.submod for s in stages], stages, optimizer, step_args, step_kwargs, config)
         queue.put((rank, peak))
@@ -219,12 +316,6 @@ def measure_pipeline_on_gloo_ranks(
         raise MemplanError(
             f"verify --pp runs fp32 or bf16 steps (torch's pipeline tracer fixes each op's dtype, which "
             f"autocast would change); use --precision fp32 or bf16 instead of {config.precision}"
-        )
-    if config.num_stages_per_rank > 1:
-        raise MemplanError(
-            f"verify --pp runs schedules with one stage per rank (gpipe, 1f1b), not {config.pp_schedule} with "
-            f"{config.num_stages_per_rank} stages per rank: torch's pipeline tracer sends values that skip stages "
-            "(labels, rotary tables), which its multi-stage schedules cannot"
         )
     if config.world_size != config.pp:
         raise MemplanError(
