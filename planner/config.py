@@ -160,8 +160,6 @@ class TrainConfig:
         for name in ("tp_plan", "ep_plan"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
                 raise ValueError(f"--{name.replace('_', '-')} must be auto, PATH.py:FUNC or package.module:FUNC")
-        if self.ep > 1 and self.cp > 1:
-            raise ValueError("--ep together with --cp is not simulated yet; drop --cp or --ep")
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
             raise ValueError(
                 f"--ep {self.ep} must divide --dp {self.dp} × --cp {self.cp}: expert parallel borrows its ranks "

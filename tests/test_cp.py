@@ -22,6 +22,8 @@ from planner.tracing.recorder import trace
 
 HERE = Path(__file__).parent
 HF_LLAMA = f"hf:{HERE / 'data' / 'tiny_llama' / 'config.json'}"  # 4 query / 2 key-value heads, GQA in SDPA
+HF_MIXTRAL = f"hf:{HERE / 'data' / 'tiny_mixtral' / 'config.json'}"
+TITAN_MOE = f"{HERE / 'ep_models.py'}:titan_moe"
 B, S, CP = 2, 128, 2
 LAYERS, HEADS, HEAD_DIM, HIDDEN = 2, 4, 32, 128  # llama-7b-tiny
 F32 = 4
@@ -191,6 +193,17 @@ def test_cp_errors_are_one_line(capsys, argv, needles):
     assert not dist.is_initialized()
 
 
+def test_expert_parallel_borrows_the_cp_ranks():
+    """--ep 4 over --dp 2 --cp 2: EP index (dp · cp + cp index) mod ep, so each cp index holds two EP
+    indices; under balanced routing those run alike, and each cp index is one role."""
+    config = _config(ep=4, dp=2, zero_stage=3)
+    from planner.simulation.ranks import mesh_coords
+
+    assert {c.rank: (c.cp, c.ep) for c in mesh_coords(config)} == {0: (0, 0), 1: (1, 1), 2: (0, 2), 3: (1, 3)}
+    layout = simulate_ranks(TITAN_MOE, config)
+    assert [role.ranks for role in layout.roles] == [(0, 2), (1, 3)]
+
+
 def test_pipeline_stages_under_context_parallel():
     """--pp 2 --cp 2 --dp 2 --zero 3: each stage is cut from every cp index's trace (a role per (pp
     rank, cp index)); FSDP2 shards over dp × cp, so each rank holds the states of 4-way data
@@ -238,6 +251,11 @@ GLOO_CASES = {
     "cp2xfsdp2": ("llama-7b-tiny", {"dp": 2, "zero_stage": 3}),
     "cp2xfsdp2-bf16": ("llama-7b-tiny", {"dp": 2, "zero_stage": 3, "precision": "bf16-mixed"}),
     "cp4-alltoall": ("llama-7b-tiny", {"cp": 4, "cp_rotate": "alltoall"}),
+    # expert parallel borrows the cp ranks (torchtitan): a role per (cp index, EP index), and per TP
+    # index where transformers keeps each TP rank's experts whole
+    "cp2xep2-hf": (HF_MIXTRAL, {"ep": 2}),
+    "cp2xtp2xep2-hf": (HF_MIXTRAL, {"ep": 2, "tp": 2}),
+    "cp2xep2xfsdp2-titan": (TITAN_MOE, {"ep": 2, "dp": 2, "zero_stage": 3, "moe_imbalance": 2.0}),
 }
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from planner.config import TrainConfig
 from planner.errors import MemplanError
 from planner.simulation.effects import SpanChoice
-from planner.simulation.ranks import LayoutTimeline, RankCoords, RankRole, group_roles
+from planner.simulation.ranks import LayoutTimeline, RankCoords, RankRole, group_roles, mesh_coords
 from planner.simulation.step import simulate
 from planner.tracing.graph import OpGraph
 
@@ -38,45 +38,59 @@ def _check_supported(config: TrainConfig) -> None:
         )
 
 
-def _role_index(config: TrainConfig, coords: RankCoords) -> tuple[int, int]:
-    """The mesh indices that tell roles apart: (cp, EP's under expert parallel, else TP's)."""
-    return coords.cp, coords.ep if config.ep > 1 else coords.tp
+def _role_index(config: TrainConfig, coords: RankCoords) -> tuple[int, ...]:
+    """The mesh indices that can tell roles apart: (cp, TP's), and EP's under expert parallel."""
+    return (coords.cp, coords.tp, coords.ep) if config.ep > 1 else (coords.cp, coords.tp)
 
 
-def role_of(config: TrainConfig, keys: Mapping[tuple[int, int], tuple]) -> Callable[[RankCoords], tuple]:
+def role_of(config: TrainConfig, keys: Mapping[tuple[int, ...], tuple]) -> Callable[[RankCoords], tuple]:
     """A rank's role key (as :func:`trace_roles` keys its graphs) from its mesh coordinates."""
     return lambda coords: keys[_role_index(config, coords)]
 
 
+def _role_key(config: TrainConfig, cp_index: int, index: tuple[int, ...], index_keys: list, own_tp: bool) -> tuple:
+    """The role key of a role index: its cp index, its TP (EP) index's key, and under expert parallel
+    its TP index where each TP rank holds the experts whole (`own_tp`)."""
+    if config.ep == 1:
+        return cp_index, index_keys[index[1]]
+    return cp_index, index_keys[index[2]], index[1] if own_tp else 0
+
+
 def trace_roles(spec: str, config: TrainConfig, lifetimes: bool = True) -> tuple[dict, dict[tuple, OpGraph]]:
-    """(role key of every (cp index, TP index) — (cp index, EP index) under expert parallel —, graph
-    of each distinct key): one trace per distinct role. TP (EP) indices share a role where their
-    local shapes (received rows) match; every cp index is its own."""
+    """(role key of every (cp, TP[, EP]) index, graph of each distinct key): one trace per distinct
+    role. TP indices share a role where their local shapes match, EP indices where their received
+    rows match; every cp index is its own. Under expert parallel the TP indices share a role where
+    each holds a shard of the experts; where each holds them whole (transformers' layout) they run
+    different slices of the tokens, and each is its own."""
     _check_supported(config)
     # DTensor's modules take 0.3 s to import; a layout without TP, CP or EP never needs them
     from planner.tracing.parallel.ep_plans import resolve_ep_plan
-    from planner.tracing.parallel.rank_trace import stage_rank, trace_tp_rank
+    from planner.tracing.parallel.rank_trace import trace_tp_rank
     from planner.tracing.parallel.tp_plans import tp_plan_for
 
     tp_plan = tp_plan_for(config)
     ep_plan = resolve_ep_plan(config.ep_plan) if config.ep > 1 else None
-    keys: dict[tuple[int, int], tuple] = {}
+    keys: dict[tuple[int, ...], tuple] = {}
     graphs: dict[tuple, OpGraph] = {}
     for cp_index in range(config.cp):
-
-        def rank_of(index: int, cp_index: int = cp_index) -> int:
-            """The global rank of TP (or EP) index `index` within the first data-parallel replica."""
-            return index * config.cp * config.tp if config.ep > 1 else stage_rank(config, cp_index, index)
-
+        # the first rank of each role index of this cp index in the first pipeline stage (under expert
+        # parallel a cp index holds the EP indices its data-parallel ranks land on)
+        rank_of = {
+            _role_index(config, c): c.rank
+            for c in reversed(list(mesh_coords(config)))
+            if c.pp == 0 and c.cp == cp_index
+        }
+        first_index = min(rank_of, key=rank_of.get)
         first, index_keys = trace_tp_rank(
-            spec, config, rank=rank_of(0), lifetimes=lifetimes, plan=tp_plan, ep_plan=ep_plan
+            spec, config, rank=rank_of[first_index], lifetimes=lifetimes, plan=tp_plan, ep_plan=ep_plan
         )
-        graphs[(cp_index, index_keys[0])] = first
-        for index, index_key in enumerate(index_keys):
-            key = keys[(cp_index, index)] = (cp_index, index_key)
+        own_tp = config.ep > 1 and first.meta.get("ep_expert_tp_replicas", 1) > 1
+        graphs[_role_key(config, cp_index, first_index, index_keys, own_tp)] = first
+        for index in sorted(rank_of):
+            key = keys[index] = _role_key(config, cp_index, index, index_keys, own_tp)
             if key not in graphs:
                 graphs[key] = trace_tp_rank(
-                    spec, config, rank=rank_of(index), lifetimes=lifetimes, plan=tp_plan, ep_plan=ep_plan
+                    spec, config, rank=rank_of[index], lifetimes=lifetimes, plan=tp_plan, ep_plan=ep_plan
                 )[0]
     return keys, graphs
 

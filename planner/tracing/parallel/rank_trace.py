@@ -46,7 +46,6 @@ __all__ = [
     "ep_role_keys",
     "fake_process_group",
     "layout_mesh",
-    "stage_rank",
     "tp_role_keys",
     "trace_tp_rank",
 ]
@@ -130,11 +129,6 @@ def _local_shape(p: torch.Tensor, tp_index: int) -> tuple[int, ...]:
             d = placement.dim % len(shape)
             shape[d] = int(Shard.local_shard_size_and_offset(shape[d], p.device_mesh.size(mesh_dim), tp_index)[0])
     return tuple(shape)
-
-
-def stage_rank(config: TrainConfig, cp_index: int, tp_index: int) -> int:
-    """The rank of data-parallel index 0 at (`cp_index`, `tp_index`) in one stage's ``[dp, cp, tp]`` mesh."""
-    return cp_index * config.tp + tp_index
 
 
 def tp_role_keys(model: nn.Module, config: TrainConfig) -> list[tuple]:
