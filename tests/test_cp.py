@@ -333,6 +333,22 @@ def test_fit_searches_context_parallel_layouts(capsys, tmp_path):
     assert json.loads(sim.read_text())["peak_bytes"] == best["peak_bytes"]
 
 
+def test_fit_searches_expert_parallel_with_pinned_context_parallel(capsys, tmp_path):
+    """`fit --ep 2 --cp 2`: every layout has both (EP borrowing the dp × cp ranks), and the flags of
+    the recommended one simulate to its peak."""
+    out = tmp_path / "fit.json"
+    argv = ["fit", "--model", HF_MIXTRAL, "--gpu", "h100-80gb", "--seq-len", "512"]
+    code, _, err = run([*argv, "--ep", "2", "--cp", "2", "--max-gpus", "4", "--json", str(out)], capsys)
+    assert code == 0, err
+    result = json.loads(out.read_text())
+    assert result["layouts"] and all(x["cp"] == 2 and x["ep"] == 2 for x in result["layouts"])
+    best = result["recommended"]
+    sim = tmp_path / "sim.json"
+    code, _, err = run(["simulate", *argv[1:], *best["flags"].split(), "--json", str(sim)], capsys)
+    assert code == 0, err
+    assert max(r["peak_bytes"] for r in json.loads(sim.read_text())["ranks"]) == best["peak_bytes"]
+
+
 @pytest.mark.slow
 def test_fit_searches_context_parallel_inside_pipelines(capsys, tmp_path):
     """`fit --cp 2 --pp 2`: context parallel stages, FSDP2 over dp × cp; the flags of the heaviest

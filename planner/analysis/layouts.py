@@ -222,9 +222,11 @@ class _Search:
             self.flops_per_sequence = sum(op.flops for op in graph.ops) / self.base.batch_size
         return graph
 
-    def expert_graph(self, ep: int, tp: int = 1) -> OpGraph | None:
-        """The busiest expert-parallel role's graph at degrees (tp, ep) (traced once, whatever the GPU count)."""
-        return self._heaviest_role((tp, ep, 1), self.base.with_(tp=tp, dp=ep, ep=ep, zero_stage=3))
+    def expert_graph(self, ep: int, tp: int = 1, cp: int = 1) -> OpGraph | None:
+        """The busiest expert-parallel role's graph at degrees (tp, ep, cp), expert parallel borrowing
+        dp × cp ranks (traced once, whatever the GPU count)."""
+        traced = self.base.with_(tp=tp, cp=cp, dp=ep // math.gcd(ep, cp), ep=ep, zero_stage=3)
+        return self._heaviest_role((tp, ep, cp), traced)
 
     def context_graph(self, tp: int, cp: int) -> OpGraph | None:
         """The heaviest context-parallel rank's graph at degrees (tp, cp) (every cp index traced: each
@@ -391,12 +393,13 @@ def repeated(step: StepTime, times: int) -> StepTime:
 
 def _expert_degrees(search: _Search, gpus: int, fixed: TrainConfig) -> list[int]:
     """Expert-parallel degrees above 1 for a mixture-of-experts model: powers of two dividing its
-    experts, up to the GPU count, at the pinned tensor-parallel degree (1 unless --tp pins one)."""
+    experts, up to the GPU count, at the pinned tensor- and context-parallel degrees (1 unless
+    --tp, --cp pin them)."""
     experts = search.graphs[(1, 1, 1)].meta.get("moe", {}).get("experts", 0)
-    if not experts or gpus % fixed.tp:
+    if not experts or gpus % (fixed.tp * fixed.cp):
         return []
     degrees = [ep for ep in _powers_of_two(min(gpus // fixed.tp, experts))[1:] if experts % ep == 0]
-    return [ep for ep in degrees if fixed.ep in (1, ep) and search.expert_graph(ep, fixed.tp) is not None]
+    return [ep for ep in degrees if fixed.ep in (1, ep) and search.expert_graph(ep, fixed.tp, fixed.cp) is not None]
 
 
 def _context_degrees(search: _Search, gpus: int, gpus_per_node: int, fixed: TrainConfig) -> list[tuple[int, int]]:
@@ -424,15 +427,15 @@ def _shapes(
     """(tp, ep, cp, pp, schedule, stages per rank) that tile `gpus` and split the global batch evenly;
     expert parallel borrows its ranks from each stage's data-parallel ones."""
     out = []
-    degrees, tp = _expert_degrees(search, gpus, fixed), fixed.tp
+    degrees, tp, cp = _expert_degrees(search, gpus, fixed), fixed.tp, fixed.cp
     for ep in degrees:
-        blocks = len(search.graphs[(tp, ep, 1)].regions)
-        for pp in _powers_of_two(gpus // (tp * ep)):
-            dp = gpus // (tp * pp)
-            # inside a pipeline only the largest degree a stage's dp ranks hold: the fewest experts per rank
-            largest = max((d for d in degrees if dp % d == 0), default=0)
-            if fixed.pp in (1, pp) and dp % ep == 0 and (pp == 1 or ep == largest):
-                out += [(tp, ep, 1, *p) for p in _pipelines(search, dp, pp, blocks)]
+        blocks = len(search.graphs[(tp, ep, cp)].regions)
+        for pp in _powers_of_two(gpus // (tp * cp)):
+            dp = gpus // (tp * pp * cp)
+            # inside a pipeline only the largest degree a stage's dp × cp ranks hold: the fewest experts per rank
+            largest = max((d for d in degrees if dp * cp % d == 0), default=0)
+            if fixed.pp in (1, pp) and dp * cp % ep == 0 and (pp == 1 or ep == largest):
+                out += [(tp, ep, cp, *p) for p in _pipelines(search, dp, pp, blocks)]
     for tp, cp in _context_degrees(search, gpus, gpus_per_node, fixed):
         blocks = len(search.graphs[(tp, 1, cp)].regions)
         for pp in _powers_of_two(gpus // (tp * cp)):
