@@ -20,6 +20,7 @@ HERE = Path(__file__).parent
 TITAN = f"{HERE / 'tp_models.py'}:titan_small"
 TITAN_UNEVEN = f"{HERE / 'tp_models.py'}:titan_uneven_vocab"
 HF_LLAMA = f"hf:{HERE / 'data' / 'tiny_llama' / 'config.json'}"
+HF_LLAMA_TIED = f"hf:{HERE / 'data' / 'tiny_llama_tied' / 'config.json'}"  # lm_head.weight is embed_tokens.weight
 SPECS = {"titan": TITAN, "hf-llama": HF_LLAMA, "memplan-llama": "llama-7b-tiny"}
 TOLERANCE = 0.01  # the issue asks for 3% and aims at 1%
 
@@ -89,6 +90,18 @@ def test_loss_parallel_keeps_logits_sharded_and_no_loss_parallel_gathers_them():
         simulate_ranks("llama-7b-tiny", _config(tp=2)).peak_bytes
         < simulate_ranks("llama-7b-tiny", _config(tp=2, loss_parallel=False)).peak_bytes
     )
+
+
+def test_tied_embeddings_are_sharded_once_and_stay_tied():
+    """transformers' plan shards embed_tokens.weight and lm_head.weight, one tensor when tied: it is
+    sharded once (both split the vocabulary) and the head tied again to the shard."""
+    untied = simulate_ranks(HF_LLAMA, _config(tp=2)).roles[0].timeline.model_states
+    tied = simulate_ranks(HF_LLAMA_TIED, _config(tp=2)).roles[0].timeline.model_states
+    whole = simulate_ranks(HF_LLAMA_TIED, _config()).roles[0].timeline.model_states
+    head_bytes = 512 * 128 * 4 // 2  # the vocabulary x hidden head, half of it per rank
+    assert tied["parameter"] == untied["parameter"] - head_bytes
+    norms_bytes = 5 * 128 * 4  # two per layer and the final one, replicated on both ranks
+    assert 2 * tied["parameter"] == whole["parameter"] + norms_bytes
 
 
 def test_uneven_vocab_makes_two_roles():
@@ -190,7 +203,7 @@ def test_cli_json_has_ranks(capsys, tmp_path):
 # ---------------------------------------------------------------------------------------- gloo ranks
 
 TP_CASES = {**SPECS, "titan-uneven": TITAN_UNEVEN}
-PLAN_SPECS = {"titan-plan": TITAN, "memplan-llama-plan": "llama-7b-tiny"}
+PLAN_SPECS = {"titan-plan": TITAN, "memplan-llama-plan": "llama-7b-tiny", "hf-llama-tied-plan": HF_LLAMA_TIED}
 PLAN_FRACTION = 0.85  # budget: this much of the no-plan peak of the worst rank
 
 

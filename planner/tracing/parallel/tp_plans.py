@@ -273,7 +273,12 @@ def _hf_plan(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     attrs = ("num_attention_heads", "num_key_value_heads")
     check_heads(type(model).__name__, {a: getattr(text, a, None) for a in attrs}, tp)
     plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=tp))
-    apply_tensor_parallelism(model, tp_mesh, plan)
+    # a tied parameter (lm_head.weight = embed_tokens.weight) is sharded once, as its owner's entry
+    # says (both shard the vocabulary), and tied again to the shard
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+    apply_tensor_parallelism(model, tp_mesh, {name: style for name, style in plan.items() if name not in tied})
+    if tied:
+        model.tie_weights()
 
 
 def _has_hf_plan(model: nn.Module) -> bool:
