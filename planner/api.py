@@ -41,6 +41,7 @@ __all__ = [
     "plan_pipeline_model",
     "VerifyResult",
     "verify_model",
+    "runs_on_ranks",
     "plan_for_config",
     "trace_for",
     "plan_model",
@@ -247,8 +248,16 @@ class VerifyResult:
 def verify_model(
     spec: str, config: TrainConfig, plan: Plan | PlanLadder | str | None = None, seed: int = 0
 ) -> VerifyResult:
-    """Build the real model on CPU, run a warm-up and a measured step, compare with the simulator."""
+    """Build the real model on CPU, run a warm-up and a measured step, compare with the simulator.
+    One process: a layout whose ranks differ from it (:func:`runs_on_ranks`) is verify_layout's."""
     _refuse_pipeline(config, "verify")
+    if runs_on_ranks(config):
+        raise MemplanError("this layout's ranks each hold a share of the model; verify it with verify_layout")
+    if config.shard_ranks > 1 and config.zero_stage in (1, 2):
+        raise MemplanError(
+            f"verify measures ZeRO-3 (FSDP2) on gloo ranks, not --zero {config.zero_stage}, which is simulated only; "
+            "use --zero 3, or --zero 0 to measure one process"
+        )
     if config.gpu != "cpu":
         raise ValueError(f"verify runs on this machine's CPU; use --gpu cpu (got {config.gpu})")
     if get_precision(config.precision).autocast_dtype == torch.float16:
@@ -278,6 +287,13 @@ def verify_model(
             handle.remove()
     error = (predicted - measured.peak_bytes) / measured.peak_bytes
     return VerifyResult(spec, predicted, measured.peak_bytes, error, measured.loss, config.to_dict(), plan_path)
+
+
+def runs_on_ranks(config: TrainConfig) -> bool:
+    """Whether verifying `config` needs its ranks as processes (verify_layout): tensor, context,
+    expert or pipeline parallel, or FSDP2 sharding over data-parallel ranks."""
+    parallel = config.tp > 1 or config.cp > 1 or config.ep > 1 or config.pp > 1
+    return parallel or (config.shard_ranks > 1 and config.zero_stage == 3)
 
 
 @dataclass(frozen=True)

@@ -127,3 +127,37 @@ def test_frozen_parameters_have_no_gradient_or_optimizer_states():
     assert states["gradient"] == trainable and states["optimizer"] == 2 * trainable + 4 * 4  # + 4 step counters
     r = verify_model("tests.test_verify:frozen_embedding", config)
     assert r.predicted_bytes == r.measured_bytes, (r.predicted_bytes, r.measured_bytes)
+
+
+def test_sharded_layouts_are_not_measured_in_one_process(capsys):
+    """FSDP2 over dp ranks holds a share of the model per rank: verify_model (one process) refuses
+    it, as it refuses ZeRO-1/2 over dp, which nothing measures; the CLI measures --zero 3 on ranks."""
+    from cli_helpers import assert_user_error, run
+
+    from planner.api import runs_on_ranks
+    from planner.errors import MemplanError
+
+    sharded = TrainConfig(batch_size=2, seq_len=32, dp=2, zero_stage=3, gpu="cpu")
+    assert runs_on_ranks(sharded) and not runs_on_ranks(sharded.with_(zero_stage=0))
+    with pytest.raises(MemplanError, match="verify_layout"):
+        verify_model("mlp-tiny", sharded)
+    argv = ["verify", "--model", "mlp-tiny", "--batch-size", "2", "--seq-len", "32", "--dp", "2", "--zero", "1"]
+    code, _, err = run(argv, capsys)
+    assert_user_error(code, err, "verify", "--zero 3")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_verify_cli_measures_fsdp2_on_every_dp_rank(capsys, tmp_path):
+    """`memplan verify --dp 2 --zero 3` runs two gloo ranks under FSDP2 (it once measured one
+    unsharded process against the sharded prediction: -10%)."""
+    import json
+
+    from cli_helpers import run
+
+    out = tmp_path / "verify.json"
+    argv = ["verify", "--model", "llama-7b-tiny", "--batch-size", "2", "--seq-len", "64", "--dp", "2", "--zero", "3"]
+    code, _, err = run([*argv, "--json", str(out)], capsys)
+    assert code == 0, err
+    (result,) = json.loads(out.read_text())["results"]
+    assert len(result["measured_bytes"]) == 2 and all(abs(e) < 0.01 for e in result["errors"]), result

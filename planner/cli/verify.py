@@ -26,11 +26,11 @@ def register(add) -> None:
 def run(args) -> None:
     if args.gpu != "cpu":
         raise ValueError(f"verify runs the real model on this machine's CPU; drop --gpu {args.gpu}")
-    if args.tp > 1 or args.cp > 1 or args.ep > 1 or args.pp > 1:
+    with guarded_imports():
+        from planner.api import runs_on_ranks, verify_model
+    if runs_on_ranks(config_from_args(args, args.seq_len[0])):
         _run_layout(args)
         return
-    with guarded_imports():
-        from planner.api import verify_model
     results = [verify_model(args.model, config_from_args(args, s), args.plan) for s in args.seq_len]
     rows = [
         [r.config["seq_len"], format_bytes(r.predicted_bytes), format_bytes(r.measured_bytes), f"{r.error * 100:+.2f}%"]
@@ -42,7 +42,7 @@ def run(args) -> None:
 
 
 def _run_layout(args) -> None:
-    """Every rank of a tensor- or expert-parallel layout, each a CPU process under gloo."""
+    """Every rank of a parallel or FSDP2-sharded layout, each a CPU process under gloo."""
     with guarded_imports():
         from planner.api import verify_layout
     results = [verify_layout(args.model, config_from_args(args, s), args.plan) for s in args.seq_len]
