@@ -369,7 +369,9 @@ def test_fit_searches_context_parallel_inside_pipelines(capsys, tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "spec, layout", [("llama-7b-tiny", {}), (HF_LLAMA, {"zero_stage": 3})], ids=["cp2", "cp2-fsdp2-hf"]
+    "spec, layout",
+    [("llama-7b-tiny", {}), (HF_LLAMA, {"zero_stage": 3}), (HF_MIXTRAL, {"ep": 2})],
+    ids=["cp2", "cp2-fsdp2-hf", "cp2xep2-hf-mixtral"],
 )
 def test_auto_checkpoint_under_context_parallel_installs_the_plan_on_every_gloo_rank(spec, layout):
     """auto_checkpoint(..., cp_mesh=) on each rank: the decisions `memplan plan --cp 2` makes, every
