@@ -210,24 +210,26 @@ def test_verify_pipeline_cli_measures_every_pp_rank(tmp_path, capsys, model):
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "model, schedule, tolerance",
+    "model, schedule, pp, stages_per_rank, tolerance",
     [
-        ("llama-70b-tiny", "interleaved-1f1b", 0.02),
-        ("llama-70b-tiny", "dualpipev", 0.02),
-        ("tests/pp_ranks.py:hf_llama", "zbv-zero-bubble", 0.06),
+        ("llama-70b-tiny", "interleaved-1f1b", 2, 2, 0.02),
+        ("llama-70b-tiny", "dualpipev", 2, 2, 0.02),
+        ("llama-70b-tiny", "looped-bfs", 4, 1, 0.07),  # the last stage predicted 6.6% over (as gpipe's)
+        ("tests/pp_ranks.py:hf_llama", "zbv-zero-bubble", 2, 2, 0.06),
     ],
 )
-def test_verify_pipeline_runs_multi_stage_schedules(tmp_path, capsys, model, schedule, tolerance):
-    """Multi-stage schedules hand a stage's outputs to the next stage only (a V schedule's middle
-    stages on one rank by position): the traced stages relay what a later stage reads. Each pp rank
-    is measured within `tolerance` of its prediction (transformers' stages also hold the rotary
-    tables and labels they receive, where the simulation's stages make them)."""
+def test_verify_pipeline_runs_multi_stage_schedules(tmp_path, capsys, model, schedule, pp, stages_per_rank, tolerance):
+    """torch's multi-stage runtime hands a stage's outputs to the next stage only (a V schedule's
+    middle stages on one rank by position): the traced stages relay what a later stage reads. Each
+    pp rank is measured within `tolerance` of its prediction (transformers' stages also hold the
+    rotary tables and labels they receive, where the simulation's stages make them)."""
     out = tmp_path / "verify.json"
-    argv = ["verify", "--model", model, "--seq-len", "64", "--batch-size", "4", "--pp", "2", "--microbatches", "4"]
-    code, _, err = run([*argv, "--pp-schedule", schedule, "--stages-per-rank", "2", "--json", str(out)], capsys)
+    argv = ["verify", "--model", model, "--seq-len", "64", "--batch-size", "4", "--pp", str(pp), "--microbatches", "4"]
+    extra = ["--pp-schedule", schedule, "--stages-per-rank", str(stages_per_rank), "--json", str(out)]
+    code, _, err = run([*argv, *extra], capsys)
     assert code == 0, err
     (result,) = json.loads(out.read_text())["results"]
-    assert len(result["measured_bytes"]) == 2
+    assert len(result["measured_bytes"]) == pp
     assert all(abs(e) < tolerance for e in result["errors"]), result
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from costmodels.memory import get_precision
-from planner.config import PP_SCHEDULES, TrainConfig
+from planner.config import PP_SCHEDULES, SINGLE_STAGE_SCHEDULES, TrainConfig
 from planner.errors import MemplanError
 from planner.plans.format import load_plan
 from planner.runtime.apply import apply_plan
@@ -147,7 +147,7 @@ def _traced_pipe(spec: str, config: TrainConfig, blocks_per_stage: tuple[int, ..
             f"torch.distributed.pipelining could not trace {spec} into stages ({type(exc).__name__}: {reason}); "
             "verify its stages with your own stage modules"
         ) from None
-    if config.num_stages_per_rank > 1:
+    if config.pp_schedule not in SINGLE_STAGE_SCHEDULES:  # torch's multi-stage runtime, whatever the stages per rank
         _relay_skipping_values(pipe.split_gm)
     _detach_constants(pipe, args, mb_kwargs, micro)
     # the step's inputs positionally, in the traced step's order: a multi-stage schedule hands its
