@@ -74,6 +74,7 @@ _PYTHON_WORDS = (
     (r"--budget", "budget"),
     (r"--gpu (\S+)", r"gpu='\1'"),
     (r"--moe-imbalance", "moe_imbalance"),
+    (r"drop --cp\b", "drop cp_mesh"),  # context parallel is a mesh here, not a degree
     (r"--(dp|tp|cp|ep) (\d+)", r"\1=\2"),
     (r"--(dp|tp|cp|ep)\b", r"\1"),
 )

@@ -198,7 +198,6 @@ class LiveTracer:
         tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
         args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
         seq_len = batch_seq_len(args, kwargs) if any(t.dim() >= 2 for t in tensors) else 1
-        ring = None
         with ExitStack() as stack:
             stack.enter_context(_disable_current_modes())  # a monitor's live-bytes counter must not see this
             stack.enter_context(torch.enable_grad())
@@ -211,17 +210,12 @@ class LiveTracer:
                 stack.enter_context(TargetAttention(self.target))
             stack.enter_context(self._step_context())
             if self.cp_mesh is not None:
-                ring = stack.enter_context(context_parallel_step(self.cp_mesh, fake_inputs, seq_len, self.cp_rotate))
+                stack.enter_context(context_parallel_step(self.cp_mesh, fake_inputs, seq_len, self.cp_rotate))
             graph = trace_model(
                 self.fake_model, fake_inputs, precision=precision or self.precision, name=self.name, blocks=self.blocks
             )
         for p in self.fake_model.parameters():
             p.grad = None
-        if ring is not None and ring.forward == 0:
-            raise TraceError(
-                "the model calls no torch.nn.functional.scaled_dot_product_attention, which is what context "
-                "parallel shards; drop cp_mesh, or use SDPA attention (transformers: attn_implementation='sdpa')"
-            )
         graph.meta.update(batch_size=int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 1, seq_len=seq_len)
         if self.layout is not None:
             graph.meta.update(self.layout.meta())

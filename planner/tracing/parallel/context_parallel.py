@@ -171,8 +171,9 @@ def context_parallel_step(
 ) -> Iterator[RingAttentionCalls]:
     """While inside: the sequence inputs hold this rank's shard and SDPA runs as torch's ring
     attention over `cp_mesh` (fake tensors under the fake process group, or real ones under gloo).
-    Yields the ring-attention call counts; the inputs are restored on exit. `rotate_method` is
-    torch's ``set_rotate_method`` name (planner.config.CP_ROTATE_METHODS)."""
+    Yields the ring-attention call counts; the inputs are restored on exit, and a step that ran no
+    scaled_dot_product_attention for it to shard is a TraceError. `rotate_method` is torch's
+    ``set_rotate_method`` name (planner.config.CP_ROTATE_METHODS)."""
     from torch.distributed.tensor.experimental import context_parallel
 
     buffers = sequence_buffers(inputs, seq_len)
@@ -201,3 +202,8 @@ def context_parallel_step(
                 dispatcher._custom_op_handlers = handlers
     finally:
         options.rotate_method = old_rotate
+    if calls.forward == 0:
+        raise TraceError(
+            "the model calls no torch.nn.functional.scaled_dot_product_attention, which is what context parallel "
+            "shards; drop --cp, or use a model with SDPA attention (transformers: attn_implementation='sdpa')"
+        )

@@ -209,7 +209,10 @@ def _trace_rank(
                 ep_plan(model, sparse)
                 expert_meta = expert_trace_meta(model, config.ep, config.ep_plan, config.tp)
             keys = tp_role_keys(model, config)
-            with step_context(config), _context_parallel(config, mesh, inputs, model_spec.name):
+            ring = (
+                context_parallel_step(mesh["cp"], inputs, config.seq_len, config.cp_rotate) if config.cp > 1 else None
+            )
+            with step_context(config), ring or nullcontext():
                 graph = trace_model(
                     model,
                     inputs,
@@ -239,19 +242,3 @@ def _trace_rank(
     if config.cp > 1:
         graph.meta.update(cp=config.cp, cp_index=rank // config.tp % config.cp, cp_rotate=config.cp_rotate)
     return graph, keys
-
-
-@contextmanager
-def _context_parallel(config: TrainConfig, mesh: DeviceMesh, inputs, name: str) -> Iterator[None]:
-    """The step inside torch's context_parallel over the mesh's cp dimension (nothing when cp is 1);
-    a TraceError when the model ran no scaled_dot_product_attention for it to shard."""
-    if config.cp == 1:
-        yield
-        return
-    with context_parallel_step(mesh["cp"], inputs, config.seq_len, config.cp_rotate) as calls:
-        yield
-    if calls.forward == 0:
-        raise TraceError(
-            f"model '{name}' calls no torch.nn.functional.scaled_dot_product_attention, which is what context "
-            "parallel shards; drop --cp, or use a model with SDPA attention (transformers: attn_implementation='sdpa')"
-        )
