@@ -250,7 +250,6 @@ def verify_model(
 ) -> VerifyResult:
     """Build the real model on CPU, run a warm-up and a measured step, compare with the simulator.
     One process: a layout whose ranks differ from it (:func:`runs_on_ranks`) is verify_layout's."""
-    _refuse_pipeline(config, "verify")
     if runs_on_ranks(config):
         raise MemplanError("this layout's ranks each hold a share of the model; verify it with verify_layout")
     if config.shard_ranks > 1 and config.zero_stage in (1, 2):

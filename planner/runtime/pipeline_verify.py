@@ -16,6 +16,7 @@ buffers counted from the start).
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -161,8 +162,6 @@ def _relay_skipping_values(split_gm: torch.fx.GraphModule) -> None:
     schedules hand a stage's outputs to the next stage only (a V schedule's same-rank stages by
     position), so a value read stages later (the labels, a rotary table) passes through each stage
     in between: its receive buffer there, sent on as it is."""
-    import operator
-
     top = split_gm.graph
     stages = [n for n in top.nodes if n.op == "call_module"]
     index = {n: k for k, n in enumerate(stages)}
@@ -195,8 +194,7 @@ def _relay_skipping_values(split_gm: torch.fx.GraphModule) -> None:
     for k, stage in enumerate(stages):
         submod = split_gm.get_submodule(stage.target)
         graph = submod.graph
-        returned = next(n for n in graph.nodes if n.op == "output")
-        results = returned.args[0] if isinstance(returned.args[0], (tuple, list)) else (returned.args[0],)
+        returned, results = _returned(graph)
         inputs: dict[torch.fx.Node, torch.fx.Node] = {}
         if k > 0:
             old = [n for n in graph.nodes if n.op == "placeholder"]
@@ -225,14 +223,17 @@ def _relay_skipping_values(split_gm: torch.fx.GraphModule) -> None:
     split_gm.recompile()
 
 
+def _returned(graph: torch.fx.Graph) -> tuple[torch.fx.Node, tuple]:
+    """(a stage graph's output node, the values it returns, one or several)."""
+    returned = next(n for n in graph.nodes if n.op == "output")
+    values = returned.args[0]
+    return returned, tuple(values) if isinstance(values, (tuple, list)) else (values,)
+
+
 def _example_of(split_gm: torch.fx.GraphModule, value: torch.fx.Node):
     """The traced example of a top-level value: the producing stage's output at its index."""
-    import operator
-
     stage, i = (value.args[0], value.args[1]) if value.target is operator.getitem else (value, 0)
-    returned = next(n for n in split_gm.get_submodule(stage.target).graph.nodes if n.op == "output")
-    results = returned.args[0] if isinstance(returned.args[0], (tuple, list)) else (returned.args[0],)
-    return results[i].meta["val"]
+    return _returned(split_gm.get_submodule(stage.target).graph)[1][i].meta["val"]
 
 
 def _detach_constants(pipe, args: tuple, mb_kwargs: dict, micro: int) -> None:

@@ -72,14 +72,14 @@ def trace_roles(spec: str, config: TrainConfig, lifetimes: bool = True) -> tuple
     ep_plan = resolve_ep_plan(config.ep_plan) if config.ep > 1 else None
     keys: dict[tuple[int, ...], tuple] = {}
     graphs: dict[tuple, OpGraph] = {}
+    # the first rank of each role index in the first pipeline stage (under expert parallel a cp
+    # index holds the EP indices its data-parallel ranks land on)
+    first_ranks: dict[tuple[int, ...], int] = {}
+    for c in mesh_coords(config):
+        if c.pp == 0:
+            first_ranks.setdefault(_role_index(config, c), c.rank)
     for cp_index in range(config.cp):
-        # the first rank of each role index of this cp index in the first pipeline stage (under expert
-        # parallel a cp index holds the EP indices its data-parallel ranks land on)
-        rank_of = {
-            _role_index(config, c): c.rank
-            for c in reversed(list(mesh_coords(config)))
-            if c.pp == 0 and c.cp == cp_index
-        }
+        rank_of = {index: rank for index, rank in first_ranks.items() if index[0] == cp_index}
         first_index = min(rank_of, key=rank_of.get)
         first, index_keys = trace_tp_rank(
             spec, config, rank=rank_of[first_index], lifetimes=lifetimes, plan=tp_plan, ep_plan=ep_plan
