@@ -161,3 +161,28 @@ def test_verify_cli_measures_fsdp2_on_every_dp_rank(capsys, tmp_path):
     assert code == 0, err
     (result,) = json.loads(out.read_text())["results"]
     assert len(result["measured_bytes"]) == 2 and all(abs(e) < 0.01 for e in result["errors"]), result
+
+
+def _crash_then_fail(rank: int, world_size: int, init_file: str, payload, queue) -> None:
+    """Rank 0 dies of a native abort; rank 1's error (a lost connection, as a peer's would be)
+    reaches the parent first, as it does when the crashing rank is still writing its stack."""
+    import os
+    import time
+
+    if rank == 1:
+        raise RuntimeError("Connection reset by peer")
+    time.sleep(0.5)
+    os.abort()
+
+
+@pytest.mark.distributed
+def test_a_rank_that_crashes_is_named_not_only_the_peer_that_lost_it():
+    """A rank killed by a signal (a native crash) is reported by rank and signal next to the error
+    its peer raised, so a log points at the process whose stderr holds the stack."""
+    from planner.errors import MemplanError
+    from planner.runtime.parallel_verify import run_on_gloo_ranks
+
+    with pytest.raises(
+        MemplanError, match=r"gloo rank 1 failed: RuntimeError: Connection reset.*rank 0 died of SIGABRT"
+    ):
+        run_on_gloo_ranks(_crash_then_fail, 2, None, timeout_s=60)

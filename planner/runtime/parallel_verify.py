@@ -12,9 +12,12 @@ into torch's ring attention (planner/tracing/parallel/context_parallel.py), as t
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue as queue_module
+import signal
 import tempfile
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -159,13 +162,34 @@ _FAILED = "rank failed"  # the first item of what a rank puts on the queue when 
 
 
 def _guarded(worker, rank: int, world_size: int, init_file: str, payload, queue) -> None:
-    """Run one rank; an exception goes to the parent as one line (the first rank's is reported)."""
+    """Run one rank; an exception goes to the parent as one line (the first rank's is reported). A
+    native crash (a signal) prints every thread's Python stack to the rank's stderr."""
+    faulthandler.enable(all_threads=True)
     try:
         worker(rank, world_size, init_file, payload, queue)
     except Exception as exc:
         while exc.__cause__ is not None:  # torch's wrappers ("[Stage 1] failed to run forward") chain the cause
             exc = exc.__cause__
         queue.put((_FAILED, rank, f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"))
+
+
+def _exit_reason(proc) -> str:
+    """'died of SIGABRT' or 'exited with code 3' for a finished process."""
+    code = proc.exitcode
+    return f"died of {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
+def _killed_peers(procs, wait_s: float = 5.0) -> str:
+    """'; first gloo rank 0 died of SIGABRT ...' when a rank process was killed by a signal (a native
+    crash, which its peers see only as a lost connection), waiting up to `wait_s` for it; else ''."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        killed = [r for r, p in enumerate(procs) if p.exitcode is not None and p.exitcode < 0]
+        if killed:
+            return f"; first gloo rank {killed[0]} {_exit_reason(procs[killed[0]])} (its stderr has the stack)"
+        if all(p.exitcode is not None for p in procs) or time.monotonic() > deadline:
+            return ""
+        time.sleep(0.1)
 
 
 def run_on_gloo_ranks(worker, world_size: int, payload, timeout_s: float = 600.0) -> list:
@@ -190,13 +214,13 @@ def run_on_gloo_ranks(worker, world_size: int, payload, timeout_s: float = 600.0
                     item = queue.get(timeout=1)
                     waited_s = 0.0
                     if item[0] == _FAILED:
-                        raise MemplanError(f"gloo rank {item[1]} failed: {item[2]}")
+                        raise MemplanError(f"gloo rank {item[1]} failed: {item[2]}{_killed_peers(procs)}")
                     items.append(item)
                 except queue_module.Empty:
                     waited_s += 1
-                    failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                    failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                     if failed:
-                        raise RuntimeError(f"a gloo rank process failed with exit code {failed[0]}") from None
+                        raise RuntimeError(f"gloo rank {failed[0]} {_exit_reason(procs[failed[0]])}") from None
                     if waited_s >= timeout_s:
                         raise RuntimeError(f"gloo rank processes gave no result within {timeout_s:.0f} s") from None
         finally:
