@@ -1,4 +1,5 @@
-"""Test-only: run FSDP2 cases on 2 gloo CPU ranks (torch.multiprocessing spawn) and collect per-rank results.
+"""Test-only: run FSDP2 cases on 2 gloo CPU ranks (planner.runtime.parallel_verify.run_on_gloo_ranks)
+and collect per-rank results.
 
 A case is (key, builder name in models_for_tests, TrainConfig, plan dict or None, unit paths).
 Each rank builds the model from the same seed, applies the plan (if any), shards it with
@@ -8,16 +9,14 @@ planner.runtime.shard_model, checks its first step's gradients against an unshar
 
 from __future__ import annotations
 
-import os
-import queue as queue_module
 from typing import Any
 
 import models_for_tests as M
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from planner import apply_plan, load_plan
+from planner.runtime.parallel_verify import run_on_gloo_ranks
 from planner.runtime.shard import measure_sharded_step, shard_model
 from planner.tracing.recorder import loss_of, run_step_inputs
 
@@ -48,9 +47,9 @@ def _grad_error(builder: str, config, sharded) -> float:
     return worst
 
 
-def _worker(rank: int, init_file: str, cases: list, queue) -> None:
+def _worker(rank: int, world_size: int, init_file: str, cases: list, queue) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         for key, builder, config, plan, unit_paths in cases:
             model, inputs = build(builder, config.batch_size, config.seq_len)
@@ -64,28 +63,11 @@ def _worker(rank: int, init_file: str, cases: list, queue) -> None:
         dist.destroy_process_group()
 
 
-def run_on_ranks(cases: list, workdir: str) -> dict[str, dict[str, Any]]:
+def run_on_ranks(cases: list) -> dict[str, dict[str, Any]]:
     """key -> {"peaks": [rank 0, rank 1], "grad_error": worst over ranks}."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init_file = os.path.join(workdir, "gloo-init")
-    procs = [ctx.Process(target=_worker, args=(r, init_file, cases, queue)) for r in range(WORLD_SIZE)]
-    for p in procs:
-        p.start()
     results: dict[str, dict[str, Any]] = {}
-    received = 0
-    while received < len(cases) * WORLD_SIZE:
-        try:
-            key, rank, peak, grad_error = queue.get(timeout=2)
-        except queue_module.Empty:
-            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            assert not failed, f"a rank process failed with exit code {failed[0]}"
-            continue
-        received += 1
+    for key, rank, peak, grad_error in run_on_gloo_ranks(_worker, WORLD_SIZE, cases):
         entry = results.setdefault(key, {"peaks": [0] * WORLD_SIZE, "grad_error": 0.0})
         entry["peaks"][rank] = peak
         entry["grad_error"] = max(entry["grad_error"], grad_error)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
     return results

@@ -10,16 +10,14 @@ counting the parameters, optimizer states, its inputs and the stages' receive bu
 
 from __future__ import annotations
 
-import os
-import queue as queue_module
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
+from planner.runtime.parallel_verify import run_on_gloo_ranks
 from planner.runtime.pipeline_verify import measure_schedule
 from planner.runtime.tracker import LiveBytesTracker
 from planner.runtime.verify import make_optimizer
@@ -234,53 +232,23 @@ def measure_case(rank: int, builder: str, config, counts: list[int], steps: int,
         )
 
 
-def _worker(rank: int, init_file: str, cases: list, queue, world_size: int) -> None:
+def _worker(rank: int, world_size: int, init_file: str, cases: list, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         for key, builder, config, counts, steps, *plans in cases:
             queue.put((key, rank, measure_case(rank, builder, config, counts, steps, *plans)))
-        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def run_on_ranks(
-    cases: list, workdir: str, timeout_s: float = 240.0, world_size: int = WORLD_SIZE
-) -> dict[str, list[int]]:
+def run_on_ranks(cases: list, timeout_s: float = 240.0, world_size: int = WORLD_SIZE) -> dict[str, list[int]]:
     """key -> measured peak bytes per global rank; each case is (key, builder, TrainConfig, blocks
-    per stage, measured steps), all on `world_size` ranks (pp x dp). A run that outlives
-    `timeout_s` (a gloo hang) is killed and fails."""
-    import time
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init_file = os.path.join(workdir, "gloo-init")
-    procs = [ctx.Process(target=_worker, args=(r, init_file, cases, queue, world_size)) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    per stage, measured steps), all on `world_size` ranks (pp x dp). A run that gives no result
+    within `timeout_s` (a gloo hang) is killed and fails."""
     results: dict[str, list[int]] = {}
-    received = 0
-    deadline = time.monotonic() + timeout_s
-    try:
-        while received < len(cases) * world_size:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"pipeline ranks did not finish within {timeout_s:.0f} s (gloo hang?)")
-            try:
-                key, rank, peak = queue.get(timeout=2)
-            except queue_module.Empty:
-                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                assert not failed, f"a rank process failed with exit code {failed[0]}"
-                continue
-            received += 1
-            results.setdefault(key, [0] * world_size)[rank] = peak
-        for p in procs:
-            p.join(timeout=60)
-            assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    for key, rank, peak in run_on_gloo_ranks(_worker, world_size, cases, timeout_s):
+        results.setdefault(key, [0] * world_size)[rank] = peak
     return results
 
 

@@ -48,7 +48,7 @@ def _unit_paths(graph) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs():
     """Predictions and plans here, then every case on 2 ranks in one spawn."""
     cases, expected = [], {}
     for key, builder, fsdp in PEAK_CASES:
@@ -69,7 +69,7 @@ def runs(tmp_path_factory):
             plan = solve(graph, config, budget, time_limit_s=5.0)
         expected[key] = {"predicted": plan.predicted.peak_bytes, "budget": budget, "baseline": base.peak_bytes}
         cases.append((key, builder, config, plan.to_dict(), _unit_paths(graph)))
-    measured = run_on_ranks(cases, str(tmp_path_factory.mktemp("fsdp")))
+    measured = run_on_ranks(cases)
     return {key: {**expected[key], **measured[key]} for key in expected}
 
 

@@ -244,7 +244,7 @@ def test_simulate_sweep_simulates_the_pipeline(tmp_path, capsys):
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("builder", ["titan_llama", "hf_llama"])
-def test_pipeline_peaks_match_gloo_ranks(tmp_path, builder):
+def test_pipeline_peaks_match_gloo_ranks(builder):
     """Every schedule runs on 2 gloo ranks; each pp rank's peak is within 3% (aim 1%) of the measured one."""
     import pp_ranks as P
 
@@ -256,7 +256,7 @@ def test_pipeline_peaks_match_gloo_ranks(tmp_path, builder):
         stages = 2 * config.num_stages_per_rank
         cases.append(P.case(schedule, builder, config, [4 // stages] * stages))
         predicted[schedule] = [r.peak_bytes for r in simulate_pipeline(graph, config).layout.roles]
-    measured = P.run_on_ranks(cases, str(tmp_path), timeout_s=500)
+    measured = P.run_on_ranks(cases, timeout_s=500)
     assert set(measured) == set(PP_SCHEDULES)
     for schedule, peaks in measured.items():
         for pred, meas in zip(predicted[schedule], peaks):
@@ -265,7 +265,7 @@ def test_pipeline_peaks_match_gloo_ranks(tmp_path, builder):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_gradient_accumulation_over_pipeline_steps_matches_gloo_ranks(tmp_path):
+def test_gradient_accumulation_over_pipeline_steps_matches_gloo_ranks():
     """--grad-accum 2 with --pp 2: the later pipeline step starts with the gradients held; every
     rank's peak within 3% of the measured one (measured: to the byte), and above the single step's
     where the step peaks before its first backward."""
@@ -281,7 +281,7 @@ def test_gradient_accumulation_over_pipeline_steps_matches_gloo_ranks(tmp_path):
             c = config.with_(grad_accum_steps=steps)
             cases.append(P.case(key, "titan_llama", c, [2, 2]))
             predicted[key] = [r.peak_bytes for r in simulate_pipeline(graph, c).layout.roles]
-    measured = P.run_on_ranks(cases, str(tmp_path), timeout_s=500)
+    measured = P.run_on_ranks(cases, timeout_s=500)
     for key, peaks in measured.items():
         for pred, meas in zip(predicted[key], peaks, strict=True):
             assert abs(pred - meas) / meas < 0.03, (key, predicted[key], peaks)
@@ -292,7 +292,7 @@ def test_gradient_accumulation_over_pipeline_steps_matches_gloo_ranks(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_fsdp2_stages_match_gloo_ranks(tmp_path):
+def test_fsdp2_stages_match_gloo_ranks():
     """--pp 2 --dp 2 --zero 3 on 4 gloo ranks (mesh [pp, dp], fully_shard per block then per stage,
     as torchtitan): torch's pipelining keeps a stage's blocks gathered and its gradients unsharded
     until REDUCE_GRAD. Every rank within 1% of the measured peak, for both reshard settings."""
@@ -309,7 +309,7 @@ def test_fsdp2_stages_match_gloo_ranks(tmp_path):
             cases.append(P.case(key, "titan_llama", config, [4 // stages] * stages))
             per_pp = [r.peak_bytes for r in simulate_pipeline(graph, config).layout.roles]
             predicted[key] = [per_pp[r // 2] for r in range(4)]  # global rank r is pp rank r // dp
-    measured = P.run_on_ranks(cases, str(tmp_path), timeout_s=500, world_size=4)
+    measured = P.run_on_ranks(cases, timeout_s=500, world_size=4)
     gaps = {}
     for key, peaks in measured.items():
         errors = [(pred - meas) / meas for pred, meas in zip(predicted[key], peaks, strict=True)]
@@ -359,7 +359,7 @@ def test_expert_parallel_stages_are_one_role_per_pp_rank_and_ep_role():
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("builder", ["titan_moe", "hf_mixtral"])
-def test_expert_parallel_stages_match_gloo_ranks(tmp_path, builder):
+def test_expert_parallel_stages_match_gloo_ranks(builder):
     """--pp 2 --dp 2 --ep 2 on 4 gloo ranks (mesh [pp, dp], the experts sharded over the dp ranks of
     each stage, then FSDP2 as torchtitan): every rank within 1% of the measured peak (measured: within
     64 B); a plan per stage, made on the busiest EP role, keeps every rank within its budget and 3% of
@@ -381,7 +381,7 @@ def test_expert_parallel_stages_match_gloo_ranks(tmp_path, builder):
     plan, plans, _ = plan_pipeline_model(spec, configs["1f1b-fsdp2"], "90%")
     cases.append(P.case("planned", builder, configs["1f1b-fsdp2"], split, plans=plans.to_dict()))
     predicted["planned"] = _by_rank(simulate_pipeline_model(spec, configs["1f1b-fsdp2"], plans).layout)
-    measured = P.run_on_ranks(cases, str(tmp_path), timeout_s=500, world_size=4)
+    measured = P.run_on_ranks(cases, timeout_s=500, world_size=4)
     for key in configs:
         for pred, meas in zip(predicted[key], measured[key], strict=True):
             assert abs(pred - meas) / meas < 0.01, (key, predicted[key], measured[key])

@@ -16,6 +16,7 @@ import faulthandler
 import os
 import queue as queue_module
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -163,7 +164,8 @@ _FAILED = "rank failed"  # the first item of what a rank puts on the queue when 
 
 def _guarded(worker, rank: int, world_size: int, init_file: str, payload, queue) -> None:
     """Run one rank; an exception goes to the parent as one line (the first rank's is reported). A
-    native crash (a signal) prints every thread's Python stack to the rank's stderr."""
+    native crash (a signal) prints every thread's Python stack to the rank's stderr. The process
+    then leaves without finalizing the interpreter (:func:`_leave`)."""
     faulthandler.enable(all_threads=True)
     try:
         worker(rank, world_size, init_file, payload, queue)
@@ -171,6 +173,20 @@ def _guarded(worker, rank: int, world_size: int, init_file: str, payload, queue)
         while exc.__cause__ is not None:  # torch's wrappers ("[Stage 1] failed to run forward") chain the cause
             exc = exc.__cause__
         queue.put((_FAILED, rank, f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"))
+    finally:
+        _leave(queue)
+
+
+def _leave(queue) -> None:
+    """Exit the rank process once what it put on `queue` is sent, skipping interpreter finalization.
+    A device mesh keeps its process groups alive past ``destroy_process_group``; finalization then
+    tears them down while gloo's threads still hold tensors, which now and then aborts the process
+    ("terminate called without an active exception", heap corruption; pytorch/pytorch#179291)."""
+    queue.close()
+    queue.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _exit_reason(proc) -> str:
