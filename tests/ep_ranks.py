@@ -55,16 +55,11 @@ def _grad_error(spec: str, config, sharded, inputs) -> float:
     return worst
 
 
-def _worker(rank: int, world_size: int, init_file: str, cases: list, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        for key, spec, config, plan in cases:
-            model, inputs = build_parallel_model(spec, config, load_plan(plan) if plan is not None else None)
-            grad_error = _grad_error(spec, config, model, inputs)
-            queue.put((key, rank, measure_parallel_step(model, inputs, config).peak_bytes, grad_error))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world_size: int, cases: list, queue) -> None:
+    for key, spec, config, plan in cases:
+        model, inputs = build_parallel_model(spec, config, load_plan(plan) if plan is not None else None)
+        grad_error = _grad_error(spec, config, model, inputs)
+        queue.put((key, rank, measure_parallel_step(model, inputs, config).peak_bytes, grad_error))
 
 
 def run_on_ranks(cases: list, world_size: int, timeout_s: float = TIMEOUT_S) -> dict[str, tuple[list[int], float]]:

@@ -13,7 +13,6 @@ from typing import Any
 
 import models_for_tests as M
 import torch
-import torch.distributed as dist
 
 from planner import apply_plan, load_plan
 from planner.runtime.parallel_verify import run_on_gloo_ranks
@@ -47,20 +46,15 @@ def _grad_error(builder: str, config, sharded) -> float:
     return worst
 
 
-def _worker(rank: int, world_size: int, init_file: str, cases: list, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        for key, builder, config, plan, unit_paths in cases:
-            model, inputs = build(builder, config.batch_size, config.seq_len)
-            if plan is not None:
-                apply_plan(model, load_plan(plan))
-            shard_model(model, unit_paths, config)
-            grad_error = _grad_error(builder, config, model) if plan is not None else 0.0
-            measured = measure_sharded_step(model, inputs, config)
-            queue.put((key, rank, measured.peak_bytes, grad_error))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world_size: int, cases: list, queue) -> None:
+    for key, builder, config, plan, unit_paths in cases:
+        model, inputs = build(builder, config.batch_size, config.seq_len)
+        if plan is not None:
+            apply_plan(model, load_plan(plan))
+        shard_model(model, unit_paths, config)
+        grad_error = _grad_error(builder, config, model) if plan is not None else 0.0
+        measured = measure_sharded_step(model, inputs, config)
+        queue.put((key, rank, measured.peak_bytes, grad_error))
 
 
 def run_on_ranks(cases: list) -> dict[str, dict[str, Any]]:

@@ -14,7 +14,6 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from planner.runtime.parallel_verify import run_on_gloo_ranks
@@ -232,14 +231,9 @@ def measure_case(rank: int, builder: str, config, counts: list[int], steps: int,
         )
 
 
-def _worker(rank: int, world_size: int, init_file: str, cases: list, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        for key, builder, config, counts, steps, *plans in cases:
-            queue.put((key, rank, measure_case(rank, builder, config, counts, steps, *plans)))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world_size: int, cases: list, queue) -> None:
+    for key, builder, config, counts, steps, *plans in cases:
+        queue.put((key, rank, measure_case(rank, builder, config, counts, steps, *plans)))
 
 
 def run_on_ranks(cases: list, timeout_s: float = 240.0, world_size: int = WORLD_SIZE) -> dict[str, list[int]]:

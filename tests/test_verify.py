@@ -163,7 +163,7 @@ def test_verify_cli_measures_fsdp2_on_every_dp_rank(capsys, tmp_path):
     assert len(result["measured_bytes"]) == 2 and all(abs(e) < 0.01 for e in result["errors"]), result
 
 
-def _crash_then_fail(rank: int, world_size: int, init_file: str, payload, queue) -> None:
+def _crash_then_fail(rank: int, world_size: int, payload, queue) -> None:
     """Rank 0 dies of a native abort; rank 1's error (a lost connection, as a peer's would be)
     reaches the parent first, as it does when the crashing rank is still writing its stack."""
     import os

@@ -10,7 +10,6 @@ unsharded process (plan cases), then measures a steady-state step.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from planner import load_plan
 from planner.runtime.parallel_verify import build_parallel_model, measure_parallel_step, run_on_gloo_ranks
@@ -40,17 +39,12 @@ def _grad_error(spec: str, config, sharded, inputs) -> float:
     return worst
 
 
-def _worker(rank: int, world_size: int, init_file: str, cases: list, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        for key, spec, config, plan in cases:
-            plan = load_plan(plan) if plan is not None else None
-            model, inputs = build_parallel_model(spec, config, plan)
-            grad_error = _grad_error(spec, config, model, inputs) if plan is not None else 0.0
-            queue.put((key, rank, measure_parallel_step(model, inputs, config).peak_bytes, grad_error))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world_size: int, cases: list, queue) -> None:
+    for key, spec, config, plan in cases:
+        plan = load_plan(plan) if plan is not None else None
+        model, inputs = build_parallel_model(spec, config, plan)
+        grad_error = _grad_error(spec, config, model, inputs) if plan is not None else 0.0
+        queue.put((key, rank, measure_parallel_step(model, inputs, config).peak_bytes, grad_error))
 
 
 def run_on_ranks(cases: list, world_size: int, timeout_s: float = TIMEOUT_S) -> dict[str, tuple[list[int], float]]:
@@ -64,37 +58,32 @@ def run_on_ranks(cases: list, world_size: int, timeout_s: float = TIMEOUT_S) -> 
     return {key: (peaks[key], errors[key]) for key in peaks}
 
 
-def _auto_worker(rank: int, world_size: int, init_file: str, cases: list, queue) -> None:
+def _auto_worker(rank: int, world_size: int, cases: list, queue) -> None:
     """auto_checkpoint on the TP- (and EP-) sharded model of each rank (before fully_shard, torchtitan's order)."""
     from ep_ranks import _grad_error as ep_grad_error
 
     from planner.runtime.auto import auto_checkpoint
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        for key, spec, config, budget in cases:
-            handles = []
+    for key, spec, config, budget in cases:
+        handles = []
 
-            def checkpoint(model, inputs, config=config, budget=budget, handles=handles) -> None:
-                options = {
-                    "zero_stage": config.zero_stage,
-                    "dp": config.dp,
-                    "gpu": "cpu",
-                    "moe_imbalance": config.moe_imbalance,
-                }
-                handles.append(auto_checkpoint(model, inputs, budget, loss_parallel=config.loss_parallel, **options))
+        def checkpoint(model, inputs, config=config, budget=budget, handles=handles) -> None:
+            options = {
+                "zero_stage": config.zero_stage,
+                "dp": config.dp,
+                "gpu": "cpu",
+                "moe_imbalance": config.moe_imbalance,
+            }
+            handles.append(auto_checkpoint(model, inputs, budget, loss_parallel=config.loss_parallel, **options))
 
-            model, inputs = build_parallel_model(spec, config, checkpoint=checkpoint)
-            grad_error = (ep_grad_error if config.ep > 1 else _grad_error)(spec, config, model, inputs)
-            peak = measure_parallel_step(model, inputs, config).peak_bytes
-            plan = handles[0].plan.to_dict()
-            handles[0].set_budget(handles[0].budget_bytes + 1)  # a new plan, on the model fully_shard wrapped
-            handles[0].install()
-            assert handles[0].plan.budget_bytes == plan["budget_bytes"] + 1
-            queue.put((key, rank, peak, grad_error, plan))
-    finally:
-        dist.destroy_process_group()
+        model, inputs = build_parallel_model(spec, config, checkpoint=checkpoint)
+        grad_error = (ep_grad_error if config.ep > 1 else _grad_error)(spec, config, model, inputs)
+        peak = measure_parallel_step(model, inputs, config).peak_bytes
+        plan = handles[0].plan.to_dict()
+        handles[0].set_budget(handles[0].budget_bytes + 1)  # a new plan, on the model fully_shard wrapped
+        handles[0].install()
+        assert handles[0].plan.budget_bytes == plan["budget_bytes"] + 1
+        queue.put((key, rank, peak, grad_error, plan))
 
 
 def run_auto_on_ranks(cases: list, world_size: int, timeout_s: float = TIMEOUT_S) -> dict[str, tuple[list, float]]:
@@ -130,22 +119,17 @@ def assert_auto_matches_plan(specs: dict[str, str], config, fraction: float, tol
         assert grad_error == 0.0, (key, grad_error)
 
 
-def _auto_failure_worker(rank: int, world_size: int, init_file: str, case: tuple, queue) -> None:
+def _auto_failure_worker(rank: int, world_size: int, case: tuple, queue) -> None:
     """auto_checkpoint on each rank's sharded model; reports what it raised (None if nothing)."""
     from planner.runtime.auto import auto_checkpoint
 
     spec, config, budget = case
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    model, inputs = build_parallel_model(spec, config)
     try:
-        model, inputs = build_parallel_model(spec, config)
-        try:
-            auto_checkpoint(model, inputs, budget, dp=config.dp, gpu="cpu", moe_imbalance=config.moe_imbalance)
-            queue.put((rank, None, ""))
-        except Exception as exc:
-            queue.put((rank, type(exc).__name__, str(exc)))
-    finally:
-        dist.destroy_process_group()
+        auto_checkpoint(model, inputs, budget, dp=config.dp, gpu="cpu", moe_imbalance=config.moe_imbalance)
+        queue.put((rank, None, ""))
+    except Exception as exc:
+        queue.put((rank, type(exc).__name__, str(exc)))
 
 
 def auto_failures_on_ranks(spec: str, config, budget: int, timeout_s: float = TIMEOUT_S) -> dict[int, tuple]:

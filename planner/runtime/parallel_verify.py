@@ -145,30 +145,29 @@ def _context_parallel(config: TrainConfig, inputs):
     return context_parallel_step(_mesh(config)["cp"], inputs, config.seq_len, config.cp_rotate)
 
 
-def _measure_worker(rank: int, world_size: int, init_file: str, payload: tuple, queue) -> None:
+def _measure_worker(rank: int, world_size: int, payload: tuple, queue) -> None:
     """One gloo rank of :func:`measure_on_gloo_ranks`: build, shard, measure, report."""
     spec, config, plan = payload
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        plan = load_plan(plan) if plan is not None else None
-        model, inputs = build_parallel_model(spec, config, plan)
-        with _context_parallel(config, inputs):
-            queue.put((rank, measure_parallel_step(model, inputs, config).peak_bytes))
-    finally:
-        dist.destroy_process_group()
+    plan = load_plan(plan) if plan is not None else None
+    model, inputs = build_parallel_model(spec, config, plan)
+    with _context_parallel(config, inputs):
+        queue.put((rank, measure_parallel_step(model, inputs, config).peak_bytes))
 
 
 _FAILED = "rank failed"  # the first item of what a rank puts on the queue when it raised
 
 
 def _guarded(worker, rank: int, world_size: int, init_file: str, payload, queue) -> None:
-    """Run one rank; an exception goes to the parent as one line (the first rank's is reported). A
-    native crash (a signal) prints every thread's Python stack to the rank's stderr. The process
-    then leaves without finalizing the interpreter (:func:`_leave`)."""
+    """Run one rank: join the gloo group, run ``worker(rank, world_size, payload, queue)`` on one
+    thread, wait for every rank to finish (no rank leaves while a peer still talks to it), leave
+    (:func:`_leave`). An exception goes to the parent as one line (the first rank's is reported); a
+    native crash (a signal) prints every thread's Python stack to the rank's stderr."""
     faulthandler.enable(all_threads=True)
+    torch.set_num_threads(1)
     try:
-        worker(rank, world_size, init_file, payload, queue)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        worker(rank, world_size, payload, queue)
+        dist.barrier()
     except Exception as exc:
         while exc.__cause__ is not None:  # torch's wrappers ("[Stage 1] failed to run forward") chain the cause
             exc = exc.__cause__
@@ -178,10 +177,11 @@ def _guarded(worker, rank: int, world_size: int, init_file: str, payload, queue)
 
 
 def _leave(queue) -> None:
-    """Exit the rank process once what it put on `queue` is sent, skipping interpreter finalization.
-    A device mesh keeps its process groups alive past ``destroy_process_group``; finalization then
-    tears them down while gloo's threads still hold tensors, which now and then aborts the process
-    ("terminate called without an active exception", heap corruption; pytorch/pytorch#179291)."""
+    """Exit the rank process once what it put on `queue` is sent, without tearing down its process
+    groups or finalizing the interpreter: a device mesh keeps its groups alive past
+    ``destroy_process_group``, and finalization then destroys them while gloo's threads still hold
+    tensors, which now and then aborts the process ("terminate called without an active
+    exception", heap corruption; pytorch/pytorch#179291). The operating system closes its sockets."""
     queue.close()
     queue.join_thread()
     sys.stdout.flush()
@@ -209,8 +209,8 @@ def _killed_peers(procs, wait_s: float = 5.0) -> str:
 
 
 def run_on_gloo_ranks(worker, world_size: int, payload, timeout_s: float = 600.0) -> list:
-    """Start `world_size` CPU processes (spawn) running ``worker(rank, world_size, init_file,
-    payload, queue)`` under a gloo group; every item they put on the queue, in arrival order.
+    """Start `world_size` CPU processes (spawn), each running ``worker(rank, world_size, payload,
+    queue)`` in a gloo group of them all; every item they put on the queue, in arrival order.
     A rank that raises is a MemplanError with its message; one that dies, or no item within
     `timeout_s`, is a RuntimeError; no process is left running."""
     ctx = mp.get_context("spawn")

@@ -274,34 +274,29 @@ def _no_warm_up_with_itself(stage) -> None:
     stage._get_init_p2p_neighbors_ops = lambda: [op for op in warm_up() if op.group_peer != own]
 
 
-def _measure_worker(rank: int, world_size: int, init_file: str, payload: tuple, queue) -> None:
+def _measure_worker(rank: int, world_size: int, payload: tuple, queue) -> None:
     """One pp rank: build its stages, run the schedule, report its lowest peak."""
     from torch.distributed.pipelining import schedules
 
     spec, config, blocks_per_stage, plan, seed = payload
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        stage_ids = stages_of_rank(rank, config.pp, config.num_stages_per_rank, config.pp_schedule)
-        pipe, inputs = _traced_pipe(spec, config, blocks_per_stage, seed)
-        stages = [pipe.build_stage(s, torch.device("cpu")) for s in stage_ids]
-        for stage in stages:
-            _no_warm_up_with_itself(stage)
-        if plan is not None:
-            loaded = load_plan(plan)
-            for stage, s in zip(stages, stage_ids):
-                apply_plan(stage.submod.get_submodule("model"), loaded, stage=s)
-        cls = getattr(schedules, PP_SCHEDULES[config.pp_schedule])
-        single = issubclass(cls, schedules.PipelineScheduleSingle)
-        schedule = cls(stages[0] if single else stages, config.num_microbatches, loss_fn=lambda loss, _: loss)
-        num_stages = config.pp * config.num_stages_per_rank
-        step_args = inputs if 0 in stage_ids else ()
-        step_kwargs = {"target": torch.zeros(config.batch_size)} if num_stages - 1 in stage_ids else {}
-        optimizer = make_optimizer([p for s in stages for p in s.submod.parameters()], config.optimizer)
-        peak = measure_schedule(schedule, [s.submod for s in stages], stages, optimizer, step_args, step_kwargs, config)
-        queue.put((rank, peak))
-    finally:
-        dist.destroy_process_group()
+    stage_ids = stages_of_rank(rank, config.pp, config.num_stages_per_rank, config.pp_schedule)
+    pipe, inputs = _traced_pipe(spec, config, blocks_per_stage, seed)
+    stages = [pipe.build_stage(s, torch.device("cpu")) for s in stage_ids]
+    for stage in stages:
+        _no_warm_up_with_itself(stage)
+    if plan is not None:
+        loaded = load_plan(plan)
+        for stage, s in zip(stages, stage_ids):
+            apply_plan(stage.submod.get_submodule("model"), loaded, stage=s)
+    cls = getattr(schedules, PP_SCHEDULES[config.pp_schedule])
+    single = issubclass(cls, schedules.PipelineScheduleSingle)
+    schedule = cls(stages[0] if single else stages, config.num_microbatches, loss_fn=lambda loss, _: loss)
+    num_stages = config.pp * config.num_stages_per_rank
+    step_args = inputs if 0 in stage_ids else ()
+    step_kwargs = {"target": torch.zeros(config.batch_size)} if num_stages - 1 in stage_ids else {}
+    optimizer = make_optimizer([p for s in stages for p in s.submod.parameters()], config.optimizer)
+    peak = measure_schedule(schedule, [s.submod for s in stages], stages, optimizer, step_args, step_kwargs, config)
+    queue.put((rank, peak))
 
 
 def measure_pipeline_on_gloo_ranks(
