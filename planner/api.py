@@ -335,14 +335,14 @@ def verify_layout(
 
 
 def _verify_pipeline(spec: str, config: TrainConfig, plan: str | None, timeout_s: float) -> LayoutVerifyResult:
-    """Every pp rank of a pipeline (alone: no other parallel dimension), its stages cut by torch's
-    pipeline tracer where the simulation cuts them (planner/runtime/pipeline_verify.py)."""
+    """Every rank of a pipeline (alone, or with FSDP2 on its data-parallel ranks), its stages cut by
+    torch's pipeline tracer where the simulation cuts them (planner/runtime/pipeline_verify.py)."""
     from planner.runtime.pipeline_verify import measure_pipeline_on_gloo_ranks  # torch.distributed's stack
 
     stage_plans = _stage_plans_for(plan, config) if plan is not None else None
     timeline = simulate_pipeline_model(spec, config, stage_plans)
     by_rank = {r: role.peak_bytes for role in timeline.layout.roles for r in role.ranks}
-    predicted = [by_rank[r] for r in range(config.pp)]
+    predicted = [by_rank[r] for r in range(config.world_size)]
     sent = stage_plans.to_dict() if stage_plans is not None else None
     measured = measure_pipeline_on_gloo_ranks(spec, config, timeline.blocks_per_stage, sent, timeout_s)
     errors = [(p - m) / m for p, m in zip(predicted, measured)]

@@ -178,7 +178,8 @@ def test_simulate_cli_pipeline_errors(capsys, extra, needle):
     ("extra", "needle"),
     [
         (["--precision", "bf16-mixed"], "fp32 or bf16"),
-        (["--dp", "2"], "runs the pipeline alone"),
+        (["--dp", "2"], "add --zero 3"),
+        (["--tp", "2"], "drop --tp, --cp and --ep"),
     ],
 )
 def test_verify_pipeline_refusals_are_one_line(capsys, extra, needle):
@@ -205,6 +206,26 @@ def test_verify_pipeline_cli_measures_every_pp_rank(tmp_path, capsys, model):
         (result,) = json.loads(out.read_text())["results"]
         assert len(result["measured_bytes"]) == 2
         assert all(abs(e) < 0.05 for e in result["errors"]), result
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_verify_pipeline_with_fsdp2_measures_every_rank_of_the_mesh(tmp_path, capsys):
+    """`memplan verify --pp 2 --dp 2 --zero 3` on 4 gloo ranks (mesh [pp, dp]): the traced stages
+    fully_shard per block, then per stage, over dp (torchtitan's pipeline with FSDP2, which keeps
+    blocks gathered from forward to backward). Every rank within 2% of its prediction, under 1F1B
+    and under ZBV (split backward, torch's multi-stage runtime with its UNSHARD/RESHARD actions)."""
+    base = ["verify", "--model", "llama-70b-tiny", "--seq-len", "64", "--batch-size", "4", "--pp", "2"]
+    base += ["--dp", "2", "--zero", "3", "--reshard-after-forward", "false", "--microbatches", "4"]
+    for schedule, stages_per_rank in (("1f1b", "1"), ("zbv-zero-bubble", "2")):
+        out = tmp_path / f"{schedule}.json"
+        extra = ["--pp-schedule", schedule, "--stages-per-rank", stages_per_rank, "--json", str(out)]
+        code, _, err = run([*base, *extra], capsys)
+        assert code == 0, err
+        (result,) = json.loads(out.read_text())["results"]
+        assert len(result["measured_bytes"]) == 4
+        assert result["predicted_bytes"][0] == result["predicted_bytes"][1] != result["predicted_bytes"][2]
+        assert all(abs(e) < 0.02 for e in result["errors"]), (schedule, result)
 
 
 @pytest.mark.distributed
@@ -401,8 +422,8 @@ def test_relayed_stages_take_exactly_their_predecessors_outputs_and_compute_the_
 
     one = _config("1f1b", pp=4, microbatches=4, seq_len=64)  # four stages, one per rank: not relayed
     many = _config("interleaved-1f1b", microbatches=4, seq_len=64)  # four stages, two per rank
-    direct, inputs = _traced_pipe("tests/pp_ranks.py:hf_llama", one, (1, 1, 1, 1), seed=0)
-    relayed, _ = _traced_pipe("tests/pp_ranks.py:hf_llama", many, (1, 1, 1, 1), seed=0)
+    direct, inputs, _ = _traced_pipe("tests/pp_ranks.py:hf_llama", one, (1, 1, 1, 1), seed=0)
+    relayed, _, _ = _traced_pipe("tests/pp_ranks.py:hf_llama", many, (1, 1, 1, 1), seed=0)
     micro = [t[:1] for t in inputs]
     with torch.no_grad():
         losses = [torch.fx.Interpreter(pipe.split_gm).run(*micro)[0] for pipe in (direct, relayed)]

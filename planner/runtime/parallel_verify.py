@@ -12,6 +12,7 @@ into torch's ring attention (planner/tracing/parallel/context_parallel.py), as t
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 import queue as queue_module
@@ -159,10 +160,12 @@ _FAILED = "rank failed"  # the first item of what a rank puts on the queue when 
 
 def _guarded(worker, rank: int, world_size: int, init_file: str, payload, queue) -> None:
     """Run one rank: join the gloo group, run ``worker(rank, world_size, payload, queue)`` on one
-    thread, wait for every rank to finish (no rank leaves while a peer still talks to it), leave
-    (:func:`_leave`). An exception goes to the parent as one line (the first rank's is reported); a
-    native crash (a signal) prints every thread's Python stack to the rank's stderr."""
+    thread, wait for every rank to finish (no rank leaves while a peer still talks to it). An
+    exception goes to the parent as one line (the first rank's is reported); a native crash (a
+    signal) prints every thread's Python stack to the rank's stderr; the process ends before the
+    interpreter tears down (:func:`_exit_before_teardown`)."""
     faulthandler.enable(all_threads=True)
+    atexit.register(_exit_before_teardown)
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
@@ -172,18 +175,15 @@ def _guarded(worker, rank: int, world_size: int, init_file: str, payload, queue)
         while exc.__cause__ is not None:  # torch's wrappers ("[Stage 1] failed to run forward") chain the cause
             exc = exc.__cause__
         queue.put((_FAILED, rank, f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"))
-    finally:
-        _leave(queue)
 
 
-def _leave(queue) -> None:
-    """Exit the rank process once what it put on `queue` is sent, without tearing down its process
-    groups or finalizing the interpreter: a device mesh keeps its groups alive past
-    ``destroy_process_group``, and finalization then destroys them while gloo's threads still hold
-    tensors, which now and then aborts the process ("terminate called without an active
-    exception", heap corruption; pytorch/pytorch#179291). The operating system closes its sockets."""
-    queue.close()
-    queue.join_thread()
+def _exit_before_teardown() -> None:
+    """The rank process's last exit handler (registered first), after multiprocessing has sent the
+    queue's items: end the process without tearing down its process groups or the interpreter. A
+    device mesh keeps its groups alive past ``destroy_process_group``, and the interpreter's
+    teardown destroys them while gloo's threads still hold tensors, which now and then aborts the
+    process ("terminate called without an active exception", heap corruption;
+    pytorch/pytorch#179291). The operating system closes its sockets."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -29,6 +29,7 @@ from planner.errors import MemplanError
 from planner.plans.format import load_plan
 from planner.runtime.apply import apply_plan
 from planner.runtime.parallel_verify import run_on_gloo_ranks
+from planner.runtime.shard import ShardedBytesTracker
 from planner.runtime.tracker import LiveBytesTracker
 from planner.runtime.verify import make_optimizer
 from planner.simulation.pipeline_schedule import stages_of_rank
@@ -117,7 +118,8 @@ def _recv_buffers(stage) -> list[torch.Tensor]:
 
 
 def _traced_pipe(spec: str, config: TrainConfig, blocks_per_stage: tuple[int, ...], seed: int):
-    """(torch's pipeline tracer's stages of the step, the step's inputs as positional arguments)."""
+    """(torch's pipeline tracer's stages of the step, the step's inputs as positional arguments, the
+    model's block paths)."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     torch.manual_seed(seed)
@@ -154,7 +156,7 @@ def _traced_pipe(spec: str, config: TrainConfig, blocks_per_stage: tuple[int, ..
     # the step's inputs positionally, in the traced step's order: a multi-stage schedule hands its
     # keyword arguments to every stage of the rank, not only the first
     names = [n.target for n in pipe.split_gm.graph.nodes if n.op == "placeholder"]
-    return pipe, (*args, *(kwargs[name] for name in names[len(args) :]))
+    return pipe, (*args, *(kwargs[name] for name in names[len(args) :])), blocks
 
 
 def _relay_skipping_values(split_gm: torch.fx.GraphModule) -> None:
@@ -274,20 +276,53 @@ def _no_warm_up_with_itself(stage) -> None:
     stage._get_init_p2p_neighbors_ops = lambda: [op for op in warm_up() if op.group_peer != own]
 
 
+def _pp_group(rank: int, config: TrainConfig):
+    """(this rank's pp index, the pp process group, the data-parallel mesh): the [pp, dp] mesh with
+    data parallel (mesh order [pp, dp, cp, tp]); else (rank, the default group, None)."""
+    if config.dp == 1:
+        return rank, None, None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (config.pp, config.dp), mesh_dim_names=("pp", "dp"))
+    return mesh.get_coordinate()[0], mesh["pp"].get_group(), mesh["dp"]
+
+
+def _shard_stage(submod: nn.Module, block_paths: list[str], config: TrainConfig, dp_mesh) -> None:
+    """FSDP2 on a stage module over the data-parallel ranks, as torchtitan shards a pipeline stage:
+    ``fully_shard`` on each of the stage's blocks, then on the stage."""
+    from planner.runtime.shard import shard_model
+
+    units = [f"model.{path}" for path in block_paths]
+    shard_model(submod, [u for u in units if _has_submodule(submod, u)], config, mesh=dp_mesh)
+
+
+def _has_submodule(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 def _measure_worker(rank: int, world_size: int, payload: tuple, queue) -> None:
-    """One pp rank: build its stages, run the schedule, report its lowest peak."""
+    """One rank of the pipeline (of its data-parallel replica): build its stages, run the schedule,
+    report its lowest peak."""
     from torch.distributed.pipelining import schedules
 
     spec, config, blocks_per_stage, plan, seed = payload
-    stage_ids = stages_of_rank(rank, config.pp, config.num_stages_per_rank, config.pp_schedule)
-    pipe, inputs = _traced_pipe(spec, config, blocks_per_stage, seed)
-    stages = [pipe.build_stage(s, torch.device("cpu")) for s in stage_ids]
+    pp_rank, group, dp_mesh = _pp_group(rank, config)
+    stage_ids = stages_of_rank(pp_rank, config.pp, config.num_stages_per_rank, config.pp_schedule)
+    pipe, inputs, block_paths = _traced_pipe(spec, config, blocks_per_stage, seed)
+    stages = [pipe.build_stage(s, torch.device("cpu"), group=group) for s in stage_ids]
     for stage in stages:
         _no_warm_up_with_itself(stage)
     if plan is not None:
         loaded = load_plan(plan)
         for stage, s in zip(stages, stage_ids):
             apply_plan(stage.submod.get_submodule("model"), loaded, stage=s)
+    if dp_mesh is not None:
+        for stage in stages:
+            _shard_stage(stage.submod, block_paths, config, dp_mesh)
     cls = getattr(schedules, PP_SCHEDULES[config.pp_schedule])
     single = issubclass(cls, schedules.PipelineScheduleSingle)
     schedule = cls(stages[0] if single else stages, config.num_microbatches, loss_fn=lambda loss, _: loss)
@@ -295,7 +330,9 @@ def _measure_worker(rank: int, world_size: int, payload: tuple, queue) -> None:
     step_args = inputs if 0 in stage_ids else ()
     step_kwargs = {"target": torch.zeros(config.batch_size)} if num_stages - 1 in stage_ids else {}
     optimizer = make_optimizer([p for s in stages for p in s.submod.parameters()], config.optimizer)
-    peak = measure_schedule(schedule, [s.submod for s in stages], stages, optimizer, step_args, step_kwargs, config)
+    tracker = ShardedBytesTracker if dp_mesh is not None else LiveBytesTracker
+    modules = [s.submod for s in stages]
+    peak = measure_schedule(schedule, modules, stages, optimizer, step_args, step_kwargs, config, tracker_cls=tracker)
     queue.put((rank, peak))
 
 
@@ -307,16 +344,23 @@ def measure_pipeline_on_gloo_ranks(
     timeout_s: float = 600.0,
     seed: int = 0,
 ) -> list[int]:
-    """Peak live bytes of every pp rank over a steady-state pipeline step, each a CPU process under gloo."""
+    """Peak live bytes of every rank ([pp, dp] mesh) over a steady-state pipeline step, each a CPU
+    process under gloo."""
     if get_precision(config.precision).autocast_dtype is not None:
         raise MemplanError(
             f"verify --pp runs fp32 or bf16 steps (torch's pipeline tracer fixes each op's dtype, which "
             f"autocast would change); use --precision fp32 or bf16 instead of {config.precision}"
         )
-    if config.world_size != config.pp:
+    if config.world_size != config.pp * config.dp or config.ep > 1:
         raise MemplanError(
-            "verify --pp runs the pipeline alone; drop --dp, --tp, --cp and --ep (verify those without --pp)"
+            "verify --pp runs the pipeline with FSDP2 (--dp N --zero 3) or alone; drop --tp, --cp and --ep "
+            "(verify those without --pp)"
+        )
+    if config.dp > 1 and config.zero_stage != 3:
+        raise MemplanError(
+            f"verify --pp --dp {config.dp} runs FSDP2 on the data-parallel ranks, as torchtitan shards a "
+            "pipeline; add --zero 3"
         )
     payload = (spec, config, tuple(blocks_per_stage), plan, seed)
-    peaks = dict(run_on_gloo_ranks(_measure_worker, config.pp, payload, timeout_s))
-    return [peaks[r] for r in range(config.pp)]
+    peaks = dict(run_on_gloo_ranks(_measure_worker, config.world_size, payload, timeout_s))
+    return [peaks[r] for r in range(config.world_size)]
