@@ -341,6 +341,8 @@ def _verify_pipeline(spec: str, config: TrainConfig, plan: str | None, timeout_s
 
     stage_plans = _stage_plans_for(plan, config) if plan is not None else None
     timeline = simulate_pipeline_model(spec, config, stage_plans)
+    if timeline.warnings:  # the real step would not be the simulated one
+        raise MemplanError(timeline.warnings[0])
     by_rank = {r: role.peak_bytes for role in timeline.layout.roles for r in role.ranks}
     predicted = [by_rank[r] for r in range(config.world_size)]
     sent = stage_plans.to_dict() if stage_plans is not None else None

@@ -231,6 +231,46 @@ def measure_case(rank: int, builder: str, config, counts: list[int], steps: int,
         )
 
 
+def _gradient_worker(rank: int, world_size: int, config, queue) -> None:
+    """One step of the torchtitan-style Llama cut into equal stages, FSDP2 over dp as torchtitan
+    shards a stage; per stage of this rank: (parameters, without a gradient, gradient norms)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    from planner.config import PP_SCHEDULES
+    from planner.simulation.pipeline_schedule import stages_of_rank
+
+    torch.manual_seed(0)
+    model, (ids, labels) = titan_llama(config.batch_size, config.seq_len)
+    mesh = init_device_mesh("cpu", (config.pp, config.dp), mesh_dim_names=("pp", "dp"))
+    num_stages = config.pp * config.num_stages_per_rank
+    stage_ids = list(stages_of_rank(rank // config.dp, config.pp, config.num_stages_per_rank, config.pp_schedule))
+    modules = _stage_modules("titan_llama", model, [len(model.layers) // num_stages] * num_stages, stage_ids)
+    for m in modules:
+        for layer in m.layers.values():
+            fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=config.reshard_after_forward)
+        fully_shard(m, mesh=mesh["dp"], reshard_after_forward=config.reshard_after_forward)
+    group = mesh["pp"].get_group()
+    stages = [PipelineStage(m, s, num_stages, torch.device("cpu"), group=group) for m, s in zip(modules, stage_ids)]
+    cls = getattr(schedules, PP_SCHEDULES[config.pp_schedule])
+    multi = not issubclass(cls, schedules.PipelineScheduleSingle)
+    schedule = cls(stages if multi else stages[0], config.num_microbatches, loss_fn=lm_loss)
+    schedule.step(*((ids,) if 0 in stage_ids else ()), **({"target": labels} if num_stages - 1 in stage_ids else {}))
+    out = {}
+    for s, m in zip(stage_ids, modules):
+        grads = [p.grad.full_tensor() for p in m.parameters() if p.grad is not None]
+        out[s] = (len(list(m.parameters())), len(list(m.parameters())) - len(grads), [g.norm().item() for g in grads])
+    queue.put((rank, out))
+
+
+def stage_gradients(config) -> dict[int, tuple[int, int, list[float]]]:
+    """Stage -> (parameters, parameters without a gradient, gradient norms) after one step of
+    `config`'s schedule on pp × dp gloo ranks (dp rank 0's view; the gradients are reduced)."""
+    items = dict(run_on_gloo_ranks(_gradient_worker, config.pp * config.dp, config, timeout_s=300))
+    return {s: v for r in range(0, config.pp * config.dp, config.dp) for s, v in items[r].items()}
+
+
 def _worker(rank: int, world_size: int, cases: list, queue) -> None:
     for key, builder, config, counts, steps, *plans in cases:
         queue.put((key, rank, measure_case(rank, builder, config, counts, steps, *plans)))

@@ -188,6 +188,30 @@ def test_verify_pipeline_refusals_are_one_line(capsys, extra, needle):
     assert_user_error(code, err, "verify", needle)
 
 
+@pytest.mark.parametrize("schedule", PP_SCHEDULES)
+def test_split_backward_with_fsdp2_resharding_is_warned_in_simulate_and_refused_by_verify(tmp_path, capsys, schedule):
+    """Only the schedules that split a stage's backward (I, then W) under FSDP2 resharding after
+    forward get the warning (simulate's text and JSON) and verify's one-line refusal; resharding
+    after forward false, or no FSDP2, gets neither."""
+    v = "2" if schedule in (*MULTI, *V_SHAPED_SCHEDULES) else "1"
+    argv = ["--model", "llama-70b-tiny", "--seq-len", "32", "--batch-size", "4", "--pp", "2", "--microbatches", "4"]
+    argv += ["--pp-schedule", schedule, "--stages-per-rank", v, "--gpu", "cpu"]
+    split = schedule in ("interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
+    for extra, warned in (
+        (["--dp", "2", "--zero", "3"], split),
+        (["--dp", "2", "--zero", "3", "--reshard-after-forward", "false"], False),
+        ([], False),
+    ):
+        out = tmp_path / "sim.json"
+        code, text, err = run(["simulate", *argv, *extra, "--json", str(out)], capsys)
+        assert code == 0, err
+        assert ("warning: torch's" in text) == warned, (extra, text)
+        assert bool(json.loads(out.read_text())["pipeline"]["warnings"]) == warned
+        if warned:
+            code, _, err = run(["verify", *argv, *extra], capsys)
+            assert_user_error(code, err, "verify", "--reshard-after-forward false")
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama-7b-tiny", "tests/pp_ranks.py:hf_llama"])
@@ -343,6 +367,35 @@ def test_fsdp2_stages_match_gloo_ranks():
     # peak); torchtitan runs pipelines with reshard_after_forward false, exact above.
     for key, errors in gaps.items():
         assert all(-0.04 < e < 0 for e in errors), (key, errors)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_split_backward_with_fsdp2_resharding_after_forward_loses_gradients_as_the_warning_says():
+    """The fact behind split_backward_gradient_hazard, on 4 gloo ranks with torchtitan-style stages:
+    ZBV with FSDP2 resharding after forward leaves the last stage without gradients and another
+    split stage with different ones; resharding after forward false gives 1F1B's gradients. A torch
+    that fixes it fails here: then drop the warning."""
+    import pp_ranks as P
+
+    from planner.simulation.pipeline_fsdp import split_backward_gradient_hazard
+    from planner.simulation.pipeline_schedule import pipeline_schedule
+
+    base = dict(microbatches=4, seq_len=64, dp=2, zero_stage=3)
+    reference = P.stage_gradients(_config("1f1b", **base, reshard_after_forward=False))
+    runs = {
+        raf: P.stage_gradients(_config("zbv-zero-bubble", **base, reshard_after_forward=raf)) for raf in (False, True)
+    }
+    assert all(missing == 0 for _, missing, _ in runs[False].values())
+    assert runs[True][3][1] == runs[True][3][0]  # the last stage: no gradient at all
+    assert runs[True][1][2] != pytest.approx(runs[False][1][2], rel=1e-3)
+    assert sum(map(sum, (norms for _, _, norms in runs[False].values()))) == pytest.approx(
+        sum(map(sum, (norms for _, _, norms in reference.values()))), rel=1e-4
+    )
+    config = _config("zbv-zero-bubble", **base)
+    assert split_backward_gradient_hazard(config, pipeline_schedule(config))
+    config = config.with_(reshard_after_forward=False)
+    assert split_backward_gradient_hazard(config, pipeline_schedule(config)) is None
 
 
 KNOWN_PP_FSDP_GAPS = {"interleaved-1f1b-True"}

@@ -158,6 +158,8 @@ def _plan_pipeline(args, config, budget: int | str) -> None:
         raise ValueError("memplan plan --pp recomputes only; drop --offload")
     with guarded_imports():
         from planner.api import plan_pipeline_model
+        from planner.simulation.pipeline_fsdp import split_backward_gradient_hazard
+        from planner.simulation.pipeline_schedule import pipeline_schedule
     result, plans, uniform = plan_pipeline_model(
         args.model, config, budget, keep=args.keep, recompute=args.recompute, time_limit_s=args.time_limit
     )
@@ -171,6 +173,9 @@ def _plan_pipeline(args, config, budget: int | str) -> None:
         f"--pp {config.pp} {config.pp_schedule}, {config.num_microbatches} microbatches: budget "
         f"{format_bytes(result.budget_bytes)} for every rank"
     )
+    hazard = split_backward_gradient_hazard(config, pipeline_schedule(config))
+    if hazard:
+        print(f"warning: {hazard}")
     rows = []
     for r, peak_u in zip(result.ranks, uniform.peaks):
         recomputed = [n for n in r.option_names if n != "keep"]

@@ -103,6 +103,7 @@ def _pipeline_lines(result: dict) -> list[str]:
         f"microbatches, blocks per stage {','.join(map(str, pl['blocks_per_stage']))}; step {pl['step_s'] * 1e3:.1f} ms, "
         f"bubble {pl['bubble_fraction'] * 100:.1f}%, first/last stage peak {pl['first_last_ratio']:.2f}",
         table(["pp rank", "stages", "in flight", "peak", "action at peak"], rows),
+        *(f"warning: {w}" for w in pl.get("warnings", ())),
         "",
     ]
 

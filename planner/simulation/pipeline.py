@@ -16,6 +16,7 @@ from planner.config import TrainConfig
 from planner.errors import MemplanError
 from planner.simulation.costs import op_times
 from planner.simulation.effects import SpanChoice
+from planner.simulation.pipeline_fsdp import split_backward_gradient_hazard
 from planner.simulation.pipeline_schedule import PipelineSchedule, pipeline_schedule
 from planner.simulation.pipeline_split import blocks_per_stage, cut_stages
 from planner.simulation.pipeline_step import replay_rank, stage_effects, stage_programs
@@ -60,6 +61,12 @@ class PipelineTimeline:
             peaks[role.coords.pp] = max(peaks[role.coords.pp], role.peak_bytes)
         return peaks
 
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """What would make the real step differ from this one (split_backward_gradient_hazard)."""
+        hazard = split_backward_gradient_hazard(self.layout.config, self.schedule)
+        return (hazard,) if hazard else ()
+
     def to_dict(self, max_points: int = 2000) -> dict:
         out = self.layout.to_dict(max_points)
         per_rank = self.rank_peaks
@@ -75,6 +82,7 @@ class PipelineTimeline:
             "in_flight": list(self.in_flight),
             "peak_bytes_per_pp_rank": per_rank,
             "first_last_ratio": per_rank[0] / max(1, per_rank[-1]),
+            "warnings": list(self.warnings),
             **self.time.to_dict(),
         }
         return out

@@ -42,12 +42,36 @@ from planner.simulation.fsdp import (
     param_itemsize,
     param_owners,
 )
+from planner.simulation.pipeline_schedule import PipelineSchedule
 from planner.simulation.pipeline_split import StageCut
 from planner.tracing.graph import OpGraph
 
-__all__ = ["ACTIVE_STAGES", "StageFsdp", "StageFsdpState", "stage_fsdp", "unshard_plan"]
+__all__ = [
+    "ACTIVE_STAGES",
+    "StageFsdp",
+    "StageFsdpState",
+    "split_backward_gradient_hazard",
+    "stage_fsdp",
+    "unshard_plan",
+]
 
 ACTIVE_STAGES = 3  # torch's _add_unshard_reshard(max_active_stages=3): stages a multi-stage rank keeps gathered
+
+
+def split_backward_gradient_hazard(config: TrainConfig, schedule: PipelineSchedule) -> str | None:
+    """Why torch would train this layout wrong, or None. A split backward (I, then W: the zero-bubble
+    and DualPipeV schedules) under FSDP2 resharding after forward computes wrong weight gradients on
+    the stages whose backward it splits, silently (torch 2.13, measured on gloo ranks with
+    torchtitan-style stages and traced ones alike: the zero-bubble schedules leave the last stage
+    none; stage 0, whose backward is one call, and the schedules without a split backward are right);
+    resharding after forward false is right."""
+    if config.zero_stage != 3 or config.reshard_after_forward is False or not schedule.split_stages:
+        return None
+    return (
+        f"torch's {schedule.name} with FSDP2 resharding after forward computes wrong weight gradients on the "
+        "stages whose backward it splits (none on the last stage under the zero-bubble schedules; measured on "
+        "gloo ranks); train it with --reshard-after-forward false, torchtitan's setting for pipelines"
+    )
 
 
 def unshard_plan(stages: list[int]) -> list[tuple[list[int], list[int]]]:
