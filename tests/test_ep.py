@@ -22,6 +22,8 @@ HERE = Path(__file__).parent
 TITAN_MOE = f"{HERE / 'ep_models.py'}:titan_moe"
 MIXTRAL = f"hf:{HERE / 'data' / 'tiny_mixtral' / 'config.json'}"
 QWEN3_MOE = f"hf:{HERE / 'data' / 'tiny_qwen3_moe' / 'config.json'}"
+OLMOE = f"hf:{HERE / 'data' / 'tiny_olmoe' / 'config.json'}"
+GRANITE_MOE = f"hf:{HERE / 'data' / 'tiny_granitemoe' / 'config.json'}"
 TOLERANCE = 0.01  # the issue asks for 3% and aims at 1%
 
 
@@ -94,6 +96,25 @@ def test_ep2_inside_fsdp2_on_4_gloo_ranks():
     for rank, (w, got) in enumerate(zip(want, peaks)):
         assert abs(w - got) <= TOLERANCE * got, (rank, w, got)
     assert grad_error == 0.0
+
+
+def test_experts_sharded_over_one_rank_are_copied_once_at_their_own_forward():
+    """--dp 2 --ep 2 --zero 3 leaves each experts unit one rank to shard over: FSDP2 then gathers
+    nothing (its world-size-1 path) and copies the shards into the unsharded parameters at the
+    unit's pre-forward, one copy of its bytes, with no all-gather output held beside it."""
+    from planner.simulation.fsdp import fsdp_buffers, fsdp_units
+    from planner.simulation.layout import trace_roles
+
+    config = _config(dp=2, ep=2, zero_stage=3)
+    _, graphs = trace_roles(OLMOE, config)
+    graph = next(iter(graphs.values()))
+    experts = set(graph.meta["ep_expert_modules"])
+    units = fsdp_units(graph, config.shard_ranks)
+    root, extra = units[-1], fsdp_buffers(graph, config, 0.5)
+    inside = [(u, next(b for b in units if u.path.startswith(f"{b.path}."))) for u in units if u.path in experts]
+    assert len(inside) == 4
+    for u, block in inside:  # the root, the block and its experts gathered, the experts once
+        assert extra[u.fwd_start]["parameter"] == root.param_bytes + block.param_bytes + u.param_bytes
 
 
 def test_ep_with_zero3_shards_experts_over_the_rest_of_dp():
@@ -249,6 +270,28 @@ def test_ep2_per_rank_peak_plans_and_gradients_match_gloo_ranks():
             assert key not in budgets or got <= budgets[key] * (1 + TOLERANCE), (key, rank, got, budgets[key])
         assert grad_error == 0.0, (key, grad_error)
     assert predicted["titan-imbalance-2"][0] > predicted["titan-imbalance-2"][1]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_experts_fsdp2_shards_over_one_rank_match_gloo_ranks():
+    """transformers' OLMoE and GraniteMoE under --dp 2 --ep 2 --zero 3 (each experts unit sharded over
+    one rank, copied rather than all-gathered), in fp32 and bf16-mixed: every rank within 0.1% of
+    its prediction (measured: within 120 B; 1.2% over before the world-size-1 path was modelled),
+    fp32 gradients allclose to one process."""
+    from ep_ranks import run_on_ranks
+
+    cases = [
+        (f"{name}-{precision}", spec, _config(dp=2, ep=2, zero_stage=3, precision=precision))
+        for name, spec in {"olmoe": OLMOE, "granitemoe": GRANITE_MOE}.items()
+        for precision in ("fp32", "bf16-mixed")
+    ]
+    measured = run_on_ranks([(*case, None) for case in cases], 2)
+    for key, spec, config in cases:
+        peaks, grad_error = measured[key]
+        for rank, (want, got) in enumerate(zip(_by_rank(simulate_ranks(spec, config)), peaks)):
+            assert abs(want - got) <= 0.001 * got, (key, rank, want, got)
+        assert config.precision != "fp32" or grad_error == 0.0, (key, grad_error)  # bf16 steps differ from fp32
 
 
 @pytest.mark.distributed

@@ -203,10 +203,14 @@ def _expert_units(graph: OpGraph, params: dict[int, TensorInfo]) -> list[tuple[_
 
 
 class _State:
-    """FSDP2's buffers at one instant; `instants` collects the totals seen while one op runs."""
+    """FSDP2's buffers at one instant; `instants` collects the totals seen while one op runs.
+    `ranks` holds each unit's shard ranks: dp, or fewer for an experts unit (expert_shard_ranks).
+    A unit sharded over one rank has no all-gather (FSDP2's world-size-1 path): its own pre-forward
+    or pre-backward copies each shard into the unsharded parameter, so a prefetch does nothing and
+    no output is held after the copy."""
 
-    def __init__(self, units: list[FsdpUnit], dp: int, keep_after_forward: int) -> None:
-        self.units, self.dp, self.keep_after_forward = units, dp, keep_after_forward
+    def __init__(self, units: list[FsdpUnit], ranks: list[int], keep_after_forward: int) -> None:
+        self.units, self.ranks, self.keep_after_forward = units, ranks, keep_after_forward
         self.unsharded: set[int] = set()
         self.post_forward: set[int] = set()  # units holding a P/N shard between forward and backward
         self.gathered: dict[int, int] = {}  # unit -> all-gather output bytes
@@ -221,23 +225,28 @@ class _State:
         grad = sum(self.grads.values()) + self.reduce_input
         self.instants.append({"parameter": param + parameter, "gradient": grad + gradient})
 
-    def unshard(self, u: int, copy_in_bytes: int) -> None:
-        if u in self.unsharded or u in self.gathered:
+    def unshard(self, u: int, copy_in: bool) -> None:
+        if u in self.unsharded or u in self.gathered or self.ranks[u] == 1:
             return
         self.gathered[u] = self.units[u].param_bytes
-        if copy_in_bytes:
-            self.snap(parameter=self.units[u].param_bytes // self.dp)
+        if copy_in:
+            self.snap(parameter=self.units[u].param_bytes // self.ranks[u])
         self.snap()
 
-    def copy_out(self, u: int, forward: bool) -> None:
-        if u not in self.gathered:
+    def copy_out(self, u: int, forward: bool, copy_in: bool) -> None:
+        local = self.ranks[u] == 1 and u not in self.unsharded
+        if u not in self.gathered and not local:
             return
         if forward and self.held is not None:
             del self.gathered[self.held]
             self.held = None
         self.post_forward.discard(u)  # the all-gather read the post-forward shard; copy-out frees it
         self.unsharded.add(u)
+        if local and copy_in:  # the shard cast (or copied to the device) while it is copied in
+            self.snap(parameter=self.units[u].param_bytes)
         self.snap()
+        if local:
+            return
         if forward:
             self.held = u
         else:
@@ -253,7 +262,7 @@ class _State:
         if self.keep_after_forward == 1:
             return
         self.unsharded.discard(u)
-        if self.keep_after_forward < self.dp:
+        if self.keep_after_forward < self.ranks[u]:
             self.post_forward.add(u)
         self.snap()
 
@@ -304,7 +313,8 @@ def _fsdp_buffers(graph: OpGraph, config: TrainConfig, gradient_scale: float) ->
     root = len(units) - 1
     raf = config.reshard_after_forward
     keep = dp if raf is True else 1 if raf is False else int(raf)
-    state = _State(units, dp, keep)
+    experts, expert_ranks = set(graph.meta.get("ep_expert_modules", ())), expert_shard_ranks(graph, dp)
+    state = _State(units, [expert_ranks if u.path in experts else dp for u in units], keep)
     traced_itemsize, reduce_itemsize = fsdp_itemsizes(graph, config)
     master_itemsize = get_precision(config.precision).param_dtype.itemsize
     copy_in = traced_itemsize != master_itemsize or config.cpu_offload
@@ -318,12 +328,12 @@ def _fsdp_buffers(graph: OpGraph, config: TrainConfig, gradient_scale: float) ->
         state.instants = []
         if i == 0:
             state.unshard(root, copy_in)
-            state.copy_out(root, forward=True)
+            state.copy_out(root, True, copy_in)
         if i == graph.backward_start and last_block >= 0:
             state.unshard(last_block, copy_in)
         for kind, k in before.get(i, ()):
             state.unshard(k, copy_in)
-            state.copy_out(k, forward=kind == "forward")
+            state.copy_out(k, kind == "forward", copy_in)
             if kind == "backward" and k > 0:
                 state.unshard(k - 1, copy_in)
         for tid in op.allocs:
@@ -350,7 +360,7 @@ def _reduce(
 ) -> None:
     """Reduce-scatter in the reduce dtype; the sharded gradients take the master weights' dtype."""
     reduce_bytes = state.units[u].param_bytes * reduce_itemsize // traced_itemsize
-    staged = reduce_bytes // state.dp if (to_host or reduce_itemsize != master_itemsize) else 0
+    staged = reduce_bytes // state.ranks[u] if (to_host or reduce_itemsize != master_itemsize) else 0
     state.reduce(u, reduce_bytes, staged)
 
 
