@@ -59,9 +59,10 @@ def hf_llama(batch_size: int, seq_len: int):
 class TitanStage(nn.Module):
     """Layers [first, end) of a planner Llama; the embeddings on stage 0, norm and head on the last."""
 
-    def __init__(self, model: Llama, first: int, end: int, is_first: bool, is_last: bool) -> None:
+    def __init__(self, model: Llama, first: int, end: int, is_first: bool, is_last: bool, seq_len: int) -> None:
         super().__init__()
         self.config = model.config
+        self.seq_len = seq_len  # the whole sequence: a later stage may receive sequence-parallel shards
         self.embed_tokens = model.embed_tokens if is_first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(first, end)})
         self.norm = model.norm if is_last else None
@@ -69,7 +70,7 @@ class TitanStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
-        cos, sin = rotary_tables(h.shape[1], self.config.head_dim, self.config.rope_theta, h.device)
+        cos, sin = rotary_tables(self.seq_len, self.config.head_dim, self.config.rope_theta, h.device)
         cos, sin = cos.to(h.dtype), sin.to(h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin, None)
@@ -79,9 +80,10 @@ class TitanStage(nn.Module):
 class HFStage(nn.Module):
     """Decoder layers [first, end) of a LlamaForCausalLM, with rotary tables per forward."""
 
-    def __init__(self, model, first: int, end: int, is_first: bool, is_last: bool) -> None:
+    def __init__(self, model, first: int, end: int, is_first: bool, is_last: bool, seq_len: int) -> None:
         super().__init__()
         inner = model.model
+        self.seq_len = seq_len
         self.embed_tokens = inner.embed_tokens if is_first else None
         self.rotary_emb = inner.rotary_emb
         self.layers = nn.ModuleDict({str(i): inner.layers[i] for i in range(first, end)})
@@ -90,7 +92,7 @@ class HFStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
-        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        position_ids = torch.arange(self.seq_len, device=h.device).unsqueeze(0)
         position_embeddings = self.rotary_emb(h, position_ids)
         for layer in self.layers.values():
             h = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings)
@@ -101,9 +103,10 @@ class MoEStage(nn.Module):
     """Layers [first, end) of the torchtitan-style MoE decoder (tests/ep_models.py), its rotary
     frequencies per forward; the embeddings on stage 0, norm and output on the last."""
 
-    def __init__(self, model, first: int, end: int, is_first: bool, is_last: bool) -> None:
+    def __init__(self, model, first: int, end: int, is_first: bool, is_last: bool, seq_len: int) -> None:
         super().__init__()
         self.head_dim = model.head_dim
+        self.seq_len = seq_len
         self.tok_embeddings = model.tok_embeddings if is_first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(first, end)})
         self.norm = model.norm if is_last else None
@@ -111,7 +114,7 @@ class MoEStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        seqlen, d = h.shape[1], self.head_dim
+        seqlen, d = self.seq_len, self.head_dim
         freqs = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=h.device).float() / d))
         freqs_cis = torch.polar(torch.ones(seqlen, freqs.numel()), torch.outer(torch.arange(seqlen).float(), freqs))
         for layer in self.layers.values():
@@ -152,11 +155,11 @@ def _hf_loss(vocab_size: int):
     return loss_fn
 
 
-def _stage_modules(builder: str, model, counts: list[int], stage_ids: list[int]):
+def _stage_modules(builder: str, model, counts: list[int], stage_ids: list[int], seq_len: int):
     firsts = [sum(counts[:k]) for k in range(len(counts))]
     cls = {"hf_llama": HFStage, "hf_mixtral": HFStage, "titan_moe": MoEStage}.get(builder, TitanStage)
     last = len(counts) - 1
-    return [cls(model, firsts[s], firsts[s] + counts[s], s == 0, s == last) for s in stage_ids]
+    return [cls(model, firsts[s], firsts[s] + counts[s], s == 0, s == last, seq_len) for s in stage_ids]
 
 
 def measure_case(rank: int, builder: str, config, counts: list[int], steps: int, plans: dict | None = None) -> int:
@@ -175,18 +178,22 @@ def measure_case(rank: int, builder: str, config, counts: list[int], steps: int,
     num_stages = config.pp * v
     sharded = config.zero_stage >= 3 and config.dp > 1
     pp_rank, group, tracker_cls = rank, None, LiveBytesTracker
-    if sharded or config.ep > 1:
-        # mesh [pp, dp] as torchtitan, dp as [edp, ep] (expert parallel borrows data-parallel ranks)
+    if sharded or config.ep > 1 or config.tp > 1:
+        # mesh [pp, dp, tp] as torchtitan, dp as [edp, ep] (expert parallel borrows data-parallel ranks)
         from torch.distributed.device_mesh import init_device_mesh
 
         from planner.runtime.parallel_verify import LocalBytesTracker
         from planner.runtime.shard import ShardedBytesTracker, fsdp_kwargs
 
-        shape, names = (config.pp, config.dp // config.ep, config.ep, 1), ("pp", "edp", "ep", "tp")
+        shape, names = (config.pp, config.dp // config.ep, config.ep, config.tp), ("pp", "edp", "ep", "tp")
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         dp_mesh = mesh["edp", "ep"]._flatten("dp")
-        pp_rank, group = rank // config.dp, mesh["pp"].get_group()
-        tracker_cls = LocalBytesTracker if config.ep > 1 else ShardedBytesTracker
+        pp_rank, group = rank // (config.dp * config.tp), mesh["pp"].get_group()
+        tracker_cls = LocalBytesTracker if config.ep > 1 or config.tp > 1 else ShardedBytesTracker
+    if config.tp > 1:  # the model sharded over tp before the stages are cut (they share the modules)
+        from planner.tracing.parallel.tp_plans import tp_plan_for
+
+        tp_plan_for(config)(model, mesh["tp"])
     experts: list[str] = []
     if config.ep > 1:  # the experts sharded over ep before the stages are cut (they share the modules)
         from planner.tracing.parallel.ep_plans import expert_paths, resolve_ep_plan
@@ -194,7 +201,7 @@ def measure_case(rank: int, builder: str, config, counts: list[int], steps: int,
         resolve_ep_plan(config.ep_plan)(model, mesh["edp", "ep", "tp"])
         experts = expert_paths(model)
     stage_ids = list(stages_of_rank(pp_rank, config.pp, v, config.pp_schedule))
-    modules = _stage_modules(builder, model, counts, stage_ids)
+    modules = _stage_modules(builder, model, counts, stage_ids, config.seq_len)
     if plans is not None:
         from planner.plans.format import load_plan
         from planner.runtime.apply import apply_plan
@@ -224,8 +231,9 @@ def measure_case(rank: int, builder: str, config, counts: list[int], steps: int,
     step_args = (ids,) if 0 in stage_ids else ()
     step_kwargs = {"target": labels} if num_stages - 1 in stage_ids else {}
     from planner.runtime.routing import assumed_routing
+    from planner.tracing.parallel.tp_plans import step_context
 
-    with assumed_routing(config.moe_imbalance) if config.ep > 1 else nullcontext():
+    with assumed_routing(config.moe_imbalance) if config.ep > 1 else nullcontext(), step_context(config):
         return measure_schedule(
             sched, modules, stages, optimizer, step_args, step_kwargs, config, steps=steps, tracker_cls=tracker_cls
         )
@@ -246,7 +254,8 @@ def _gradient_worker(rank: int, world_size: int, config, queue) -> None:
     mesh = init_device_mesh("cpu", (config.pp, config.dp), mesh_dim_names=("pp", "dp"))
     num_stages = config.pp * config.num_stages_per_rank
     stage_ids = list(stages_of_rank(rank // config.dp, config.pp, config.num_stages_per_rank, config.pp_schedule))
-    modules = _stage_modules("titan_llama", model, [len(model.layers) // num_stages] * num_stages, stage_ids)
+    counts = [len(model.layers) // num_stages] * num_stages
+    modules = _stage_modules("titan_llama", model, counts, stage_ids, config.seq_len)
     for m in modules:
         for layer in m.layers.values():
             fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=config.reshard_after_forward)

@@ -203,8 +203,8 @@ def test_stage_plans_applied_to_stage_modules_keep_gradients(graph, no_plan):
     torch.manual_seed(0)
     model, (ids, labels) = P.titan_llama(BATCH, SEQ)
     counts = [len(s.blocks) for s in plans.stages]
-    reference = P._stage_modules("titan_llama", copy.deepcopy(model), counts, [0, 1])
-    modules = P._stage_modules("titan_llama", model, counts, [0, 1])
+    reference = P._stage_modules("titan_llama", copy.deepcopy(model), counts, [0, 1], SEQ)
+    modules = P._stage_modules("titan_llama", model, counts, [0, 1], SEQ)
     with pytest.raises(PlanFileError, match="pass the stage"):
         apply_plan(modules[0], plans)
     with pytest.raises(PlanFileError, match="no 'layers.0', a block of pipeline stage 0"):

@@ -138,9 +138,13 @@ def category_scale(graph: OpGraph, config: TrainConfig) -> dict[str, float]:
     for t in graph.preexisting():
         if t.category == "parameter":
             traced["parameter"] += t.nbytes
-    for t in graph.tensors.values():
-        if t.category == "gradient":
-            traced["gradient"] += t.nbytes
+    # a gradient byte scales as its parameter's: the traced bytes of the trainable parameters, not of
+    # the gradient storages, which may be larger (a vocabulary-parallel embedding's backward makes a
+    # whole-vocabulary gradient and keeps its rank's rows as a view of it)
+    flags = graph.param_trainable or (True,) * len(graph.param_shapes)
+    numels = [math.prod(shape) for shape in graph.param_shapes]
+    trainable = sum(n for n, t in zip(numels, flags) if t)
+    traced["gradient"] = traced["parameter"] * trainable // max(1, sum(numels))
     want = {"parameter": states.parameter, "gradient": states.gradient}
     return {c: want[c] / traced[c] if traced[c] else 1.0 for c in traced}
 
