@@ -86,9 +86,12 @@ def shard_model(model: nn.Module, unit_paths: Sequence[str], config: TrainConfig
     return model
 
 
-def _step(model: nn.Module, inputs, optimizer) -> torch.Tensor:
-    loss = loss_of(run_step_inputs(model, inputs))
-    loss.backward()
+def _step(model: nn.Module, inputs, optimizer, grad_accum_steps: int = 1) -> torch.Tensor:
+    """`grad_accum_steps` forwards and backwards (their gradients accumulate, each loss scaled by
+    1/steps), then the optimizer step; the gradients are cleared after it."""
+    for _ in range(grad_accum_steps):
+        loss = loss_of(run_step_inputs(model, inputs))
+        (loss / grad_accum_steps if grad_accum_steps > 1 else loss).backward()
     if optimizer is not None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -106,10 +109,11 @@ def measure_sharded_step(
     """
     optimizer = make_optimizer(model.parameters(), config.optimizer)
     model.train()
+    accum = config.grad_accum_steps
     with step_context(config):
-        _step(model, inputs, optimizer)
+        _step(model, inputs, optimizer, accum)
         runs = [
-            tracked_step(tracker(), model, inputs, optimizer, lambda: _step(model, inputs, optimizer))
+            tracked_step(tracker(), model, inputs, optimizer, lambda: _step(model, inputs, optimizer, accum))
             for _ in range(steps)
         ]
     return min(runs, key=lambda m: m.peak_bytes)

@@ -319,6 +319,11 @@ def _fsdp_buffers(graph: OpGraph, config: TrainConfig, gradient_scale: float) ->
     master_itemsize = get_precision(config.precision).param_dtype.itemsize
     copy_in = traced_itemsize != master_itemsize or config.cpu_offload
 
+    # a later micro-batch of gradient accumulation: the simulator frees each new gradient at once (it
+    # is added into the held sharded one), while FSDP2 keeps it unsharded until the unit's
+    # reduce-scatter, whose sharded output is then added in
+    accumulating = config.grad_accum_steps > 1
+    held_fraction = 1.0 if accumulating else 1.0 - gradient_scale
     grad_owner = _gradient_owners(graph, units)
     before, after = _events(units)
     last_block = root - 1
@@ -338,17 +343,17 @@ def _fsdp_buffers(graph: OpGraph, config: TrainConfig, gradient_scale: float) ->
                 state.unshard(k - 1, copy_in)
         for tid in op.allocs:
             if tid in grad_owner:
-                state.grads[grad_owner[tid]] += int(graph.tensors[tid].nbytes * (1.0 - gradient_scale))
+                state.grads[grad_owner[tid]] += int(graph.tensors[tid].nbytes * held_fraction)
         state.snap()
         for kind, k in after.get(i, ()):
             if kind == "forward" and k != root:
                 state.reshard_after_forward(k)
             else:
-                _reduce(state, k, reduce_itemsize, traced_itemsize, master_itemsize, config.cpu_offload)
+                _reduce(state, k, reduce_itemsize, traced_itemsize, master_itemsize, config.cpu_offload, accumulating)
         if i == graph.backward_start - 1:
             state.end_forward()
         if i == len(graph.ops) - 1:
-            _reduce(state, root, reduce_itemsize, traced_itemsize, master_itemsize, config.cpu_offload)
+            _reduce(state, root, reduce_itemsize, traced_itemsize, master_itemsize, config.cpu_offload, accumulating)
             state.reduce_input = 0
             state.snap()
         out[i] = max(state.instants, key=lambda d: d["parameter"] + d["gradient"])
@@ -356,11 +361,19 @@ def _fsdp_buffers(graph: OpGraph, config: TrainConfig, gradient_scale: float) ->
 
 
 def _reduce(
-    state: _State, u: int, reduce_itemsize: int, traced_itemsize: int, master_itemsize: int, to_host: bool
+    state: _State,
+    u: int,
+    reduce_itemsize: int,
+    traced_itemsize: int,
+    master_itemsize: int,
+    to_host: bool,
+    accumulating: bool = False,
 ) -> None:
-    """Reduce-scatter in the reduce dtype; the sharded gradients take the master weights' dtype."""
+    """Reduce-scatter in the reduce dtype; the sharded gradients take the master weights' dtype (or,
+    `accumulating`, the output is added into those held)."""
     reduce_bytes = state.units[u].param_bytes * reduce_itemsize // traced_itemsize
-    staged = reduce_bytes // state.ranks[u] if (to_host or reduce_itemsize != master_itemsize) else 0
+    staged_output = to_host or reduce_itemsize != master_itemsize or accumulating
+    staged = reduce_bytes // state.ranks[u] if staged_output else 0
     state.reduce(u, reduce_bytes, staged)
 
 
