@@ -321,6 +321,11 @@ def verify_layout(
     plan, FSDP2 with --zero 3) and compare each rank's measured peak with its prediction."""
     if config.gpu != "cpu":
         raise ValueError(f"verify runs on this machine's CPU; use --gpu cpu (got {config.gpu})")
+    if config.cpu_offload:
+        raise MemplanError(
+            "verify runs on CPU gloo ranks, where FSDP2's CPUOffloadPolicy cannot run (it copies to an "
+            "accelerator); drop --cpu-offload (memplan simulate predicts it)"
+        )
     if config.pp > 1:
         return _verify_pipeline(spec, config, plan, timeout_s)
     loaded = plan_for_config(plan, config.seq_len)

@@ -146,6 +146,15 @@ def test_sharded_layouts_are_not_measured_in_one_process(capsys):
     assert_user_error(code, err, "verify", "--zero 3")
 
 
+def test_verify_refuses_cpu_offload_in_one_line(capsys):
+    """FSDP2's CPUOffloadPolicy needs an accelerator: verify says so before it starts a rank."""
+    from cli_helpers import assert_user_error, run
+
+    argv = ["verify", "--model", "mlp-tiny", "--batch-size", "2", "--seq-len", "32", "--dp", "2", "--zero", "3"]
+    code, _, err = run([*argv, "--cpu-offload"], capsys)
+    assert_user_error(code, err, "verify", "drop --cpu-offload")
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_verify_cli_measures_fsdp2_on_every_dp_rank(capsys, tmp_path):
