@@ -326,6 +326,12 @@ def verify_layout(
             "verify runs on CPU gloo ranks, where FSDP2's CPUOffloadPolicy cannot run (it copies to an "
             "accelerator); drop --cpu-offload (memplan simulate predicts it)"
         )
+    dtensor_params = config.tp > 1 or config.ep > 1 or (config.zero_stage == 3 and config.shard_ranks > 1)
+    if config.optimizer == "adafactor" and dtensor_params:
+        raise MemplanError(
+            "torch.optim.Adafactor cannot step DTensor parameters (FSDP2, tensor or expert parallel) in torch "
+            "2.13: its in-place pow_ on a norm-partial tensor fails; verify with --optimizer adamw or sgd"
+        )
     if config.pp > 1:
         return _verify_pipeline(spec, config, plan, timeout_s)
     loaded = plan_for_config(plan, config.seq_len)

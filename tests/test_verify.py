@@ -155,6 +155,16 @@ def test_verify_refuses_cpu_offload_in_one_line(capsys):
     assert_user_error(code, err, "verify", "drop --cpu-offload")
 
 
+@pytest.mark.parametrize("layout", [["--dp", "2", "--zero", "3"], ["--tp", "2"]], ids=["fsdp2", "tp"])
+def test_verify_refuses_adafactor_on_dtensor_parameters_in_one_line(capsys, layout):
+    """torch's Adafactor fails at its first step on DTensor parameters: verify says so up front."""
+    from cli_helpers import assert_user_error, run
+
+    argv = ["verify", "--model", "llama-7b-tiny", "--batch-size", "2", "--seq-len", "32", *layout]
+    code, _, err = run([*argv, "--optimizer", "adafactor"], capsys)
+    assert_user_error(code, err, "verify", "--optimizer adamw or sgd")
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_verify_cli_measures_fsdp2_on_every_dp_rank(capsys, tmp_path):
