@@ -134,19 +134,34 @@ def category_scale(graph: OpGraph, config: TrainConfig) -> dict[str, float]:
     """Per-device bytes of each traced parameter/gradient byte: ZeRO sharding, and the fp32 master
     weights and gradients behind a trace whose parameters are in the compute dtype (FSDP)."""
     states = model_states_for(graph, config)
-    traced = dict.fromkeys(SCALED_CATEGORIES, 0)
-    for t in graph.preexisting():
-        if t.category == "parameter":
-            traced["parameter"] += t.nbytes
     # a gradient byte scales as its parameter's: the traced bytes of the trainable parameters, not of
-    # the gradient storages, which may be larger (a vocabulary-parallel embedding's backward makes a
-    # whole-vocabulary gradient and keeps its rank's rows as a view of it)
-    flags = graph.param_trainable or (True,) * len(graph.param_shapes)
-    numels = [math.prod(shape) for shape in graph.param_shapes]
-    trainable = sum(n for n, t in zip(numels, flags) if t)
-    traced["gradient"] = traced["parameter"] * trainable // max(1, sum(numels))
+    # the gradient storages, which may be larger (_gradients_beyond_parameters)
+    traced = {"parameter": _traced_parameter_bytes(graph), "gradient": _traced_trainable_bytes(graph)}
     want = {"parameter": states.parameter, "gradient": states.gradient}
-    return {c: want[c] / traced[c] if traced[c] else 1.0 for c in traced}
+    return {c: want[c] / traced[c] if traced[c] else 1.0 for c in SCALED_CATEGORIES}
+
+
+def _traced_parameter_bytes(graph: OpGraph) -> int:
+    return sum(t.nbytes for t in graph.preexisting() if t.category == "parameter")
+
+
+def _trainable_flags(graph: OpGraph) -> tuple[bool, ...]:
+    shapes = graph.param_shapes
+    return graph.param_trainable if len(graph.param_trainable) == len(shapes) else (True,) * len(shapes)
+
+
+def _traced_trainable_bytes(graph: OpGraph) -> int:
+    """Traced bytes of the parameters that have gradients."""
+    numels = [math.prod(shape) for shape in graph.param_shapes]
+    trainable = sum(n for n, t in zip(numels, _trainable_flags(graph)) if t)
+    return _traced_parameter_bytes(graph) * trainable // max(1, sum(numels))
+
+
+def _gradients_beyond_parameters(graph: OpGraph) -> int:
+    """Traced gradient bytes beyond the trainable parameters': a vocabulary-parallel embedding's
+    backward makes a whole-vocabulary gradient and keeps its rank's rows as a view of it."""
+    gradients = sum(t.nbytes for t in graph.tensors.values() if t.category == "gradient")
+    return max(0, gradients - _traced_trainable_bytes(graph))
 
 
 def storage_bytes(graph: OpGraph, config: TrainConfig) -> dict[int, int]:
@@ -164,8 +179,7 @@ def model_states_for(graph: OpGraph, config: TrainConfig) -> ModelStates:
     if config.zero_stage == 3 and any(experts):
         ranks = config.shard_ranks, expert_shard_ranks(graph, config.shard_ranks)
         shapes = [expert_state_shape(tuple(s), *ranks) if e else tuple(s) for s, e in zip(shapes, experts, strict=True)]
-    flags = graph.param_trainable if len(graph.param_trainable) == len(shapes) else (True,) * len(shapes)
-    trainable = [s for s, t in zip(shapes, flags) if t]  # only these have a gradient and optimizer states
+    trainable = [s for s, t in zip(shapes, _trainable_flags(graph)) if t]  # only these have gradients and states
     states = model_state_bytes(
         shapes,
         precision,
@@ -177,6 +191,10 @@ def model_states_for(graph: OpGraph, config: TrainConfig) -> ModelStates:
     )
     if config.cpu_offload:  # FSDP2 CPUOffloadPolicy: sharded states and the optimizer step live on the host
         return replace(states, parameter=0, gradient=0, optimizer=0, optimizer_step_temporary=0)
+    if config.optimizer == "sgd" and config.zero_stage == 0 and (beyond := _gradients_beyond_parameters(graph)):
+        # SGD's momentum buffer is a clone of the gradient: it has the gradient's storage, not the parameter's
+        per_traced_byte = states.gradient / max(1, _traced_trainable_bytes(graph))
+        return replace(states, optimizer=states.optimizer + int(beyond * per_traced_byte))
     return states
 
 
