@@ -134,9 +134,13 @@ def category_scale(graph: OpGraph, config: TrainConfig) -> dict[str, float]:
     """Per-device bytes of each traced parameter/gradient byte: ZeRO sharding, and the fp32 master
     weights and gradients behind a trace whose parameters are in the compute dtype (FSDP)."""
     states = model_states_for(graph, config)
-    # a gradient byte scales as its parameter's: the traced bytes of the trainable parameters, not of
-    # the gradient storages, which may be larger (_gradients_beyond_parameters)
-    traced = {"parameter": _traced_parameter_bytes(graph), "gradient": _traced_trainable_bytes(graph)}
+    # a gradient byte scales as its parameter's (the traced bytes of the trainable parameters), as the
+    # gradient storages may be larger (_gradients_beyond_parameters) and are kept whole; where ZeRO
+    # shards the gradients (FSDP2 reduce-scatters each into its parameter's shard) the shards kept add
+    # up to the sharded gradients, so the storages scale to that total
+    gradients = sum(t.nbytes for t in graph.tensors.values() if t.category == "gradient")
+    traced_gradient = gradients if config.zero_stage >= 2 else _traced_trainable_bytes(graph)
+    traced = {"parameter": _traced_parameter_bytes(graph), "gradient": traced_gradient}
     want = {"parameter": states.parameter, "gradient": states.gradient}
     return {c: want[c] / traced[c] if traced[c] else 1.0 for c in SCALED_CATEGORIES}
 
