@@ -138,8 +138,7 @@ def category_scale(graph: OpGraph, config: TrainConfig) -> dict[str, float]:
     # gradient storages may be larger (_gradients_beyond_parameters) and are kept whole; where ZeRO
     # shards the gradients (FSDP2 reduce-scatters each into its parameter's shard) the shards kept add
     # up to the sharded gradients, so the storages scale to that total
-    gradients = sum(t.nbytes for t in graph.tensors.values() if t.category == "gradient")
-    traced_gradient = gradients if config.zero_stage >= 2 else _traced_trainable_bytes(graph)
+    traced_gradient = _traced_gradient_bytes(graph) if config.zero_stage >= 2 else _traced_trainable_bytes(graph)
     traced = {"parameter": _traced_parameter_bytes(graph), "gradient": traced_gradient}
     want = {"parameter": states.parameter, "gradient": states.gradient}
     return {c: want[c] / traced[c] if traced[c] else 1.0 for c in SCALED_CATEGORIES}
@@ -161,11 +160,14 @@ def _traced_trainable_bytes(graph: OpGraph) -> int:
     return _traced_parameter_bytes(graph) * trainable // max(1, sum(numels))
 
 
+def _traced_gradient_bytes(graph: OpGraph) -> int:
+    return sum(t.nbytes for t in graph.tensors.values() if t.category == "gradient")
+
+
 def _gradients_beyond_parameters(graph: OpGraph) -> int:
     """Traced gradient bytes beyond the trainable parameters': a vocabulary-parallel embedding's
     backward makes a whole-vocabulary gradient and keeps its rank's rows as a view of it."""
-    gradients = sum(t.nbytes for t in graph.tensors.values() if t.category == "gradient")
-    return max(0, gradients - _traced_trainable_bytes(graph))
+    return max(0, _traced_gradient_bytes(graph) - _traced_trainable_bytes(graph))
 
 
 def storage_bytes(graph: OpGraph, config: TrainConfig) -> dict[int, int]:

@@ -367,7 +367,7 @@ def _reduce(
     traced_itemsize: int,
     master_itemsize: int,
     to_host: bool,
-    accumulating: bool = False,
+    accumulating: bool,
 ) -> None:
     """Reduce-scatter in the reduce dtype; the sharded gradients take the master weights' dtype (or,
     `accumulating`, the output is added into those held)."""
