@@ -138,7 +138,8 @@ def category_scale(graph: OpGraph, config: TrainConfig) -> dict[str, float]:
     # gradient storages may be larger (_gradients_beyond_parameters) and are kept whole; where ZeRO
     # shards the gradients (FSDP2 reduce-scatters each into its parameter's shard) the shards kept add
     # up to the sharded gradients, so the storages scale to that total
-    traced_gradient = _traced_gradient_bytes(graph) if config.zero_stage >= 2 else _traced_trainable_bytes(graph)
+    sharded = config.zero_stage >= 2 and config.shard_ranks > 1
+    traced_gradient = _traced_gradient_bytes(graph) if sharded else _traced_trainable_bytes(graph)
     traced = {"parameter": _traced_parameter_bytes(graph), "gradient": traced_gradient}
     want = {"parameter": states.parameter, "gradient": states.gradient}
     return {c: want[c] / traced[c] if traced[c] else 1.0 for c in SCALED_CATEGORIES}
@@ -197,7 +198,8 @@ def model_states_for(graph: OpGraph, config: TrainConfig) -> ModelStates:
     )
     if config.cpu_offload:  # FSDP2 CPUOffloadPolicy: sharded states and the optimizer step live on the host
         return replace(states, parameter=0, gradient=0, optimizer=0, optimizer_step_temporary=0)
-    if config.optimizer == "sgd" and config.zero_stage == 0 and (beyond := _gradients_beyond_parameters(graph)):
+    unsharded_states = config.zero_stage == 0 or config.shard_ranks == 1
+    if config.optimizer == "sgd" and unsharded_states and (beyond := _gradients_beyond_parameters(graph)):
         # SGD's momentum buffer is a clone of the gradient: it has the gradient's storage, not the parameter's
         per_traced_byte = states.gradient / max(1, _traced_trainable_bytes(graph))
         return replace(states, optimizer=states.optimizer + int(beyond * per_traced_byte))
