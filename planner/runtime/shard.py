@@ -19,10 +19,9 @@ from torch.distributed.tensor import DTensor
 from costmodels.memory import get_precision
 from planner.config import TrainConfig
 from planner.runtime.tracker import LiveBytesTracker
-from planner.runtime.verify import Measurement, make_optimizer, tracked_step
+from planner.runtime.verify import Measurement, make_optimizer, run_training_step, tracked_step
 from planner.tracing.blocks import is_segment, segment_children
 from planner.tracing.parallel.tp_plans import step_context
-from planner.tracing.recorder import loss_of, run_step_inputs
 
 __all__ = ["ShardedBytesTracker", "fsdp_kwargs", "measure_sharded_step", "shard_model"]
 
@@ -86,14 +85,11 @@ def shard_model(model: nn.Module, unit_paths: Sequence[str], config: TrainConfig
     return model
 
 
-def _step(model: nn.Module, inputs, optimizer, grad_accum_steps: int = 1) -> torch.Tensor:
-    """`grad_accum_steps` forwards and backwards (their gradients accumulate, each loss scaled by
-    1/steps), then the optimizer step; the gradients are cleared after it."""
-    for _ in range(grad_accum_steps):
-        loss = loss_of(run_step_inputs(model, inputs))
-        (loss / grad_accum_steps if grad_accum_steps > 1 else loss).backward()
+def _step(model: nn.Module, inputs, optimizer, grad_accum_steps: int) -> torch.Tensor:
+    """:func:`run_training_step` without autocast (a sharded model computes in its own dtypes and
+    FSDP2's mixed-precision policy), then the gradients cleared."""
+    loss = run_training_step(model, inputs, optimizer, "fp32", grad_accum_steps)
     if optimizer is not None:
-        optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return loss
 
