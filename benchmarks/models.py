@@ -108,3 +108,8 @@ def llama_1024_L64(batch_size: int, seq_len: int):
 
 def llama_1024_L128(batch_size: int, seq_len: int):
     return _llama_1024(128, batch_size, seq_len)
+
+
+# -- pipeline bubbles measured on gloo: enough compute per block that a recompute outlasts the messages
+def llama_pipe(batch_size: int, seq_len: int):
+    return _build_llama(LlamaConfig(1024, 512, 1408, 8, 8, 8), batch_size, seq_len)

@@ -31,6 +31,7 @@ _EXPORTS = {
     "PlanHandle": "planner.runtime.apply",
     "apply_plan": "planner.runtime.apply",
     "auto_checkpoint": "planner.runtime.auto",
+    "recompute_in_bubbles": "planner.runtime.early_recompute",
     "plan_for": "planner.runtime.auto",
     "MemoryMonitor": "planner.runtime.monitor",
     "Timeline": "planner.simulation.step",

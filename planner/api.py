@@ -357,7 +357,9 @@ def _verify_pipeline(spec: str, config: TrainConfig, plan: str | None, timeout_s
     by_rank = {r: role.peak_bytes for role in timeline.layout.roles for r in role.ranks}
     predicted = [by_rank[r] for r in range(config.world_size)]
     sent = stage_plans.to_dict() if stage_plans is not None else None
-    measured = measure_pipeline_on_gloo_ranks(spec, config, timeline.blocks_per_stage, sent, timeout_s)
+    measured = [
+        m.peak_bytes for m in measure_pipeline_on_gloo_ranks(spec, config, timeline.blocks_per_stage, sent, timeout_s)
+    ]
     errors = [(p - m) / m for p, m in zip(predicted, measured)]
     return LayoutVerifyResult(spec, predicted, measured, errors, config.to_dict(), plan)
 
@@ -467,10 +469,17 @@ def check_plan_for_spec(spec: str, config: TrainConfig, plan_path: str) -> str:
                 f"stage {sp.stage} (pp rank {sp.pp_rank}, {sp.in_flight} microbatches in flight): "
                 f"{len(sp.plan.recompute_modules())} of {len(sp.blocks)} blocks' modules recomputed; predicted peak "
                 f"{format_bytes(sp.plan.predicted.peak_bytes)}"
+                + (
+                    f"; {', '.join(sp.early_recompute)} recomputed while it waits for a gradient"
+                    if sp.early_recompute
+                    else ""
+                )
             )
         lines.append(
             "apply it on each stage's module with: handle = planner.apply_plan(stage_module, 'PLAN.json', stage=i)"
         )
+        if any(sp.early_recompute for sp in plan.stages):
+            lines.append("and step the schedule under: with planner.recompute_in_bubbles(schedule, [handle]): ...")
         return "\n".join(lines)
     plans = [p for _, p in plan.buckets] if isinstance(plan, PlanLadder) else [plan]
     lines = []

@@ -202,13 +202,13 @@ def measure_case(rank: int, builder: str, config, counts: list[int], steps: int,
         experts = expert_paths(model)
     stage_ids = list(stages_of_rank(pp_rank, config.pp, v, config.pp_schedule))
     modules = _stage_modules(builder, model, counts, stage_ids, config.seq_len)
+    handles = []
     if plans is not None:
         from planner.plans.format import load_plan
         from planner.runtime.apply import apply_plan
 
         loaded = load_plan(plans)
-        for m, s in zip(modules, stage_ids):
-            apply_plan(m, loaded, stage=s)
+        handles = [apply_plan(m, loaded, stage=s) for m, s in zip(modules, stage_ids)]
     if sharded:
         from torch.distributed.fsdp import fully_shard
 
@@ -235,8 +235,17 @@ def measure_case(rank: int, builder: str, config, counts: list[int], steps: int,
 
     with assumed_routing(config.moe_imbalance) if config.ep > 1 else nullcontext(), step_context(config):
         return measure_schedule(
-            sched, modules, stages, optimizer, step_args, step_kwargs, config, steps=steps, tracker_cls=tracker_cls
-        )
+            sched,
+            modules,
+            stages,
+            optimizer,
+            step_args,
+            step_kwargs,
+            config,
+            steps=steps,
+            tracker_cls=tracker_cls,
+            handles=handles,
+        ).peak_bytes
 
 
 def _gradient_worker(rank: int, world_size: int, config, queue) -> None:

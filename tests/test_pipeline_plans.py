@@ -105,12 +105,17 @@ def test_a_step_placed_in_two_parts_is_placed_as_one(graph, no_plan, dp):
 
 
 def test_simulate_pipeline_under_choices(graph, no_plan):
-    """A plan's choices in the pipeline simulation: stage 0 peaks lower, its backward takes longer."""
+    """A plan's choices in the pipeline simulation: stage 0 peaks lower, its backward takes longer,
+    and the step by what the waits before those backwards do not hide."""
     plan = solve_pipeline(graph, _config(), int(max(no_plan) * 0.9))
     with_plan = simulate_pipeline(graph, _config(), plan.choices)
     without = simulate_pipeline(graph, _config())
     assert with_plan.layout.roles[0].peak_bytes < without.layout.roles[0].peak_bytes
-    assert with_plan.time.step_s > without.time.step_s  # the recompute runs in stage 0's backward
+    added = with_plan.time.busy_s[0] - without.time.busy_s[0]  # the recompute runs in stage 0's backwards
+    assert added > 0
+    hidden = with_plan.time.hidden_recompute_s[0]
+    assert 0 < hidden <= added + 1e-12  # stage 0 waits for its gradients: its last block recomputes then
+    assert without.time.step_s <= with_plan.time.step_s <= without.time.step_s + added - hidden + 1e-12
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved-1f1b", "looped-bfs"])
@@ -277,6 +282,8 @@ def test_stage_plans_hold_the_budget_on_gloo_ranks(builder):
         budget = int(simulate_pipeline(graph, cfg).layout.peak_bytes * fraction)
         plan = solve_pipeline(graph, cfg, budget)
         plans = stage_plans(graph, cfg, plan)
+        if schedule == "1f1b":  # stage 0's last block recomputes in its waits (recompute_in_bubbles, in the harness)
+            assert plans.stages[0].early_recompute
         cases.append(P.case(schedule, builder, cfg, [len(s.blocks) for s in plans.stages], plans=plans.to_dict()))
         predicted[schedule], budgets[schedule] = [r.peak_with for r in plan.ranks], budget
     measured = P.run_on_ranks(cases, timeout_s=400)

@@ -371,6 +371,9 @@ class StagePlan:
     in_flight: int
     blocks: tuple[str, ...]  # module paths of the stage's blocks in the whole model
     plan: Plan
+    # modules (whole-model paths) whose recompute runs while the stage waits for a backward's
+    # gradient, before that backward (planner.runtime.early_recompute); the rest recompute in it
+    early_recompute: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -388,7 +391,10 @@ class StagePlans:
     def __post_init__(self) -> None:
         stages = tuple(
             sorted(
-                (dataclasses_replace(s, blocks=tuple(s.blocks)) for s in self.stages),
+                (
+                    dataclasses_replace(s, blocks=tuple(s.blocks), early_recompute=tuple(s.early_recompute))
+                    for s in self.stages
+                ),
                 key=lambda s: s.stage,
             )
         )
@@ -402,6 +408,14 @@ class StagePlans:
             raise PlanFileError("stage plans are for different models; plan every stage of one model together")
         for s in stages:
             outside = [d.module for d in s.plan.decisions if not _under(d.module, s.blocks)]
+            recomputed = {d.module for d in s.plan.decisions if d.action == "recompute" and d.op is None}
+            recomputed -= {d.module for d in s.plan.decisions if d.action == "keep"}
+            stray = [m for m in s.early_recompute if m not in recomputed]
+            if stray:
+                raise PlanFileError(
+                    f"stage {s.stage}'s plan runs {stray[0]!r} early, but does not recompute it whole; re-plan with "
+                    "memplan plan --pp"
+                )
             if outside:
                 raise PlanFileError(
                     f"stage {s.stage}'s plan names module {outside[0]!r}, which is not in its blocks; re-plan with "
@@ -435,6 +449,7 @@ class StagePlans:
                     "in_flight": s.in_flight,
                     "blocks": list(s.blocks),
                     "plan": s.plan.to_dict(),
+                    **({"early_recompute": list(s.early_recompute)} if s.early_recompute else {}),
                 }
                 for s in self.stages
             ],
@@ -493,7 +508,14 @@ def _stages(d: Mapping[str, Any]) -> StagePlans:
         microbatches=d["microbatches"],
         budget_bytes=d["budget_bytes"],
         stages=tuple(
-            StagePlan(s["stage"], s["pp_rank"], s["in_flight"], tuple(s["blocks"]), _plan(s["plan"]))
+            StagePlan(
+                s["stage"],
+                s["pp_rank"],
+                s["in_flight"],
+                tuple(s["blocks"]),
+                _plan(s["plan"]),
+                tuple(s.get("early_recompute", ())),
+            )
             for s in d["stages"]
         ),
         schema_version=d["schema_version"],

@@ -37,6 +37,7 @@ from planner.plans.decisions import ModulePlan, OpKeys, module_plans
 from planner.plans.format import CompiledPlan, Plan, PlanLadder, StagePlans, load_plan
 from planner.plans.identity import check_plan_matches
 from planner.runtime import cleanup
+from planner.runtime.early_recompute import EarlyCheckpoint, EarlyQueue
 from planner.runtime.offload import (
     SPILL_PREFIX,
     Spilled,
@@ -176,16 +177,16 @@ class ForwardBuffers:
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` for torch.utils.checkpoint: its first call is the forward, later ones recompute."""
 
-        def run(*args: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
             self._calls += 1
             if self._calls == 1 or not self._replay_state:
-                return fn(*args)
+                return fn(*args, **kwargs)
             after = {i: self.slots[i][0]._buffers[self.slots[i][1]] for i in self._replay_state}
             for i, state in self._replay_state.items():
                 owner, name = self.slots[i]
                 owner._buffers[name] = state
             try:
-                return fn(*args)
+                return fn(*args, **kwargs)
             finally:  # also when torch stops the recompute early
                 for i, state in after.items():
                     owner, name = self.slots[i]
@@ -215,9 +216,16 @@ class PlanHandle:
     """The applied plan: restores the model on remove() (idempotent); a context manager."""
 
     def __init__(
-        self, model: nn.Module, plans: Mapping[int, Plan], ladder: PlanLadder | None, spill_dir: str | Path | None
+        self,
+        model: nn.Module,
+        plans: Mapping[int, Plan],
+        ladder: PlanLadder | None,
+        spill_dir: str | Path | None,
+        early: frozenset[str] = frozenset(),
     ) -> None:
         self.model = model
+        self._early = early  # recomputed ahead of their backward (planner.runtime.early_recompute)
+        self.early_queue: EarlyQueue | None = EarlyQueue() if early else None
         self.ladder = ladder
         self._by_bucket = {s: module_plans(p.decisions) for s, p in plans.items()}
         first = next(iter(plans))
@@ -395,6 +403,8 @@ class PlanHandle:
     ) -> Any:
         """Whole-module, selective (keeping `mp.keep_ops`) or child recompute: one checkpoint, whose
         recompute leaves the module's buffers as its forward did (ForwardBuffers)."""
+        if path in self._early and not mp.keep_ops and torch.is_grad_enabled():
+            return self._recompute_early(path, original, args, kwargs)
         fn = functools.partial(original, **kwargs) if kwargs else original
         options: dict[str, Any] = {"use_reentrant": False}
         if mp.keep_ops:
@@ -406,6 +416,25 @@ class PlanHandle:
         buffers = ForwardBuffers(slots, self._written.get(key))
         out = checkpoint(buffers.wrap(fn), *args, **options)
         self._written[key] = self._written.get(key, frozenset()) | buffers.written()
+        return out
+
+    def _recompute_early(
+        self, path: str, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A whole-module recompute that :func:`planner.runtime.early_recompute.recompute_in_bubbles`
+        may run before the backward (else the backward runs it), buffers restored as in _recompute."""
+        assert self.early_queue is not None
+        slots = self._buffer_slots[path]
+        fn, buffers, key = original, None, None
+        if slots:
+            key = (path, tuple(owner.training for owner, _ in slots))
+            buffers = ForwardBuffers(slots, self._written.get(key))
+            fn = buffers.wrap(original)
+        call = EarlyCheckpoint(self._originals[path][0], fn, args, kwargs)
+        self.early_queue.add(path, call)
+        out = call.forward(args, kwargs)
+        if buffers is not None:
+            self._written[key] = self._written.get(key, frozenset()) | buffers.written()
         return out
 
     def written_buffers(self, path: str) -> tuple[str, ...]:
@@ -511,7 +540,9 @@ def apply_plan(
     if isinstance(plan, StagePlans):
         from planner.runtime.stage_plans import stage_plan_for_module
 
-        plan = stage_plan_for_module(model, plan, stage)
+        plan, early = stage_plan_for_module(model, plan, stage)
+    else:
+        early = frozenset()
     if isinstance(plan, CompiledPlan):
         check_plan_matches(plan, model)
         from planner.runtime.compiled import compile_blocks  # torch.compile's stack, only when a compiled plan runs
@@ -530,7 +561,7 @@ def apply_plan(
         )
     for p in plans.values():
         check_plan_matches(p, model)
-    handle = PlanHandle(model, plans, ladder, spill_dir)
+    handle = PlanHandle(model, plans, ladder, spill_dir, early)
     try:
         handle._install()
     except BaseException:

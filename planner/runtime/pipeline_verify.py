@@ -17,7 +17,11 @@ buffers counted from the start).
 from __future__ import annotations
 
 import operator
+import statistics
+import time
 import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,7 +31,8 @@ from costmodels.memory import get_precision
 from planner.config import PP_SCHEDULES, SINGLE_STAGE_SCHEDULES, TrainConfig
 from planner.errors import MemplanError
 from planner.plans.format import load_plan
-from planner.runtime.apply import apply_plan
+from planner.runtime.apply import PlanHandle, apply_plan
+from planner.runtime.early_recompute import recompute_in_bubbles
 from planner.runtime.parallel_verify import run_on_gloo_ranks
 from planner.runtime.shard import ShardedBytesTracker
 from planner.runtime.tracker import LiveBytesTracker
@@ -38,7 +43,16 @@ from planner.tracing.hf import disable_kv_cache
 from planner.tracing.recorder import loss_of
 from planner.tracing.specs import resolve_spec
 
-__all__ = ["MEASURED_STEPS", "measure_pipeline_on_gloo_ranks", "measure_schedule"]
+__all__ = ["MEASURED_STEPS", "ScheduleMeasurement", "measure_pipeline_on_gloo_ranks", "measure_schedule"]
+
+
+@dataclass(frozen=True)
+class ScheduleMeasurement:
+    """A rank's lowest peak of live tensor bytes over the measured steps and their median seconds."""
+
+    peak_bytes: int
+    step_s: float
+
 
 MEASURED_STEPS = 2  # after one warm-up step; the lowest peak is reported
 
@@ -77,14 +91,17 @@ def measure_schedule(
     *,
     steps: int = MEASURED_STEPS,
     tracker_cls: type[LiveBytesTracker] = LiveBytesTracker,
-) -> int:
+    handles: Sequence[PlanHandle] = (),
+) -> ScheduleMeasurement:
     """This rank's lowest peak of live tensor bytes over `steps` pipeline steps (each
     ``grad_accum_steps`` schedule steps and the optimizer step) after a warm-up step, counting its
     stage modules' parameters and buffers, optimizer states, the inputs it holds and its stages'
-    receive buffers from the start (`tracker_cls`: a sharded tracker under FSDP2)."""
+    receive buffers from the start (`tracker_cls`: a sharded tracker under FSDP2), and the median
+    step's seconds. `handles`: the stage plans applied to its modules (their early recomputes run
+    in the schedule's waits, planner.runtime.early_recompute)."""
     params = [p for m in modules for p in m.parameters()]
     held = [*step_args, *step_kwargs.values()]
-    peaks = []
+    peaks, seconds = [], []
     for step in range(steps + 1):  # step 0 warms up: shapes, receive buffers, optimizer states
         for s in stages:
             s.clear_runtime_states()
@@ -98,17 +115,20 @@ def measure_schedule(
                 [b for s in stages for b in _recv_buffers(s)],
             ]
         )
-        with tracker:
+        start = time.perf_counter()
+        with tracker, recompute_in_bubbles(schedule, handles):
             for _ in range(config.grad_accum_steps):  # gradients accumulate across pipeline steps
                 schedule.step(*step_args, return_outputs=False, **step_kwargs)
             if optimizer is not None:
                 optimizer.step()
             tracker.sample()
+        elapsed = time.perf_counter() - start
         for p in params:
             p.grad = None
         if step:
             peaks.append(tracker.peak_bytes)
-    return min(peaks)
+            seconds.append(elapsed)
+    return ScheduleMeasurement(min(peaks), float(statistics.median(seconds)))
 
 
 def _recv_buffers(stage) -> list[torch.Tensor]:
@@ -316,10 +336,11 @@ def _measure_worker(rank: int, world_size: int, payload: tuple, queue) -> None:
     stages = [pipe.build_stage(s, torch.device("cpu"), group=group) for s in stage_ids]
     for stage in stages:
         _no_warm_up_with_itself(stage)
+    handles = []
     if plan is not None:
         loaded = load_plan(plan)
         for stage, s in zip(stages, stage_ids):
-            apply_plan(stage.submod.get_submodule("model"), loaded, stage=s)
+            handles.append(apply_plan(stage.submod.get_submodule("model"), loaded, stage=s))
     if dp_mesh is not None:
         for stage in stages:
             _shard_stage(stage.submod, block_paths, config, dp_mesh)
@@ -332,8 +353,10 @@ def _measure_worker(rank: int, world_size: int, payload: tuple, queue) -> None:
     optimizer = make_optimizer([p for s in stages for p in s.submod.parameters()], config.optimizer)
     tracker = ShardedBytesTracker if dp_mesh is not None else LiveBytesTracker
     modules = [s.submod for s in stages]
-    peak = measure_schedule(schedule, modules, stages, optimizer, step_args, step_kwargs, config, tracker_cls=tracker)
-    queue.put((rank, peak))
+    measured = measure_schedule(
+        schedule, modules, stages, optimizer, step_args, step_kwargs, config, tracker_cls=tracker, handles=handles
+    )
+    queue.put((rank, measured))
 
 
 def measure_pipeline_on_gloo_ranks(
@@ -343,9 +366,9 @@ def measure_pipeline_on_gloo_ranks(
     plan: dict | None = None,
     timeout_s: float = 600.0,
     seed: int = 0,
-) -> list[int]:
-    """Peak live bytes of every rank ([pp, dp] mesh) over a steady-state pipeline step, each a CPU
-    process under gloo."""
+) -> list[ScheduleMeasurement]:
+    """Peak live bytes and step seconds of every rank ([pp, dp] mesh) over steady-state pipeline
+    steps, each a CPU process under gloo."""
     if get_precision(config.precision).autocast_dtype is not None:
         raise MemplanError(
             f"verify --pp runs fp32 or bf16 steps (torch's pipeline tracer fixes each op's dtype, which "
@@ -362,5 +385,5 @@ def measure_pipeline_on_gloo_ranks(
             "pipeline; add --zero 3"
         )
     payload = (spec, config, tuple(blocks_per_stage), plan, seed)
-    peaks = dict(run_on_gloo_ranks(_measure_worker, config.world_size, payload, timeout_s))
-    return [peaks[r] for r in range(config.world_size)]
+    measured = dict(run_on_gloo_ranks(_measure_worker, config.world_size, payload, timeout_s))
+    return [measured[r] for r in range(config.world_size)]

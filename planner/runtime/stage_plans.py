@@ -30,9 +30,10 @@ def _rooted(path: str, names: set[str]) -> str | None:
     return None
 
 
-def stage_plan_for_module(module: nn.Module, plans: StagePlans, stage: int | None) -> Plan:
+def stage_plan_for_module(module: nn.Module, plans: StagePlans, stage: int | None) -> tuple[Plan, frozenset[str]]:
     """The plan of pipeline stage `stage`, with its module paths on `module` (a stage module or the
-    whole model). Raises PlanFileError when `stage` is missing or the module lacks the stage's blocks."""
+    whole model), and the modules it recomputes early (StagePlan.early_recompute), on `module` too.
+    Raises PlanFileError when `stage` is missing or the module lacks the stage's blocks."""
     if stage is None:
         raise PlanFileError(
             f"this plan file holds one plan per pipeline stage ({len(plans.stages)} stages); "
@@ -57,4 +58,5 @@ def stage_plan_for_module(module: nn.Module, plans: StagePlans, stage: int | Non
         return path
 
     decisions = tuple(dataclasses.replace(d, module=moved(d.module)) for d in sp.plan.decisions)
-    return dataclasses.replace(sp.plan, decisions=decisions, model=model_info(module, sp.plan.model.spec))
+    plan = dataclasses.replace(sp.plan, decisions=decisions, model=model_info(module, sp.plan.model.spec))
+    return plan, frozenset(moved(p) for p in sp.early_recompute)

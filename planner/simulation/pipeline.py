@@ -16,6 +16,7 @@ from planner.config import TrainConfig
 from planner.errors import MemplanError
 from planner.simulation.costs import op_times
 from planner.simulation.effects import SpanChoice
+from planner.simulation.pipeline_early import early_recompute_s
 from planner.simulation.pipeline_fsdp import split_backward_gradient_hazard
 from planner.simulation.pipeline_schedule import PipelineSchedule, pipeline_schedule
 from planner.simulation.pipeline_split import blocks_per_stage, cut_stages
@@ -124,7 +125,8 @@ def _evaluate(
         for e in effects:
             extra[e.stage] += e.effect.recompute_s
         per_stage = {**per_stage, **{k: tuple(t + x for t, x in zip(per_stage[k], extra)) for k in ("B", "W")}}
-    timing = pipeline_time(schedule, per_stage)
+    early = early_recompute_s(schedule, cuts, [(e.stage, e.choice, e.effect.recompute_s) for e in effects])
+    timing = pipeline_time(schedule, per_stage, early if any(early) else ())
     replays = [replay_rank(graph, config, stages, schedule, r, timing.step_s) for r in range(schedule.pp)]
     return cuts, timing, replays
 

@@ -3,11 +3,13 @@
 Each rank runs its compute actions in its order; F(s, m) waits for F(s-1, m), B or I (s, m) for
 B or I (s+1, m) (the last stage for its own F), W runs where the rank's order puts it.
 Point-to-point transfers are taken as free (they overlap compute in torch's runtime).
+A stage's early recompute (:mod:`planner.simulation.pipeline_early`) starts a B as soon as the rank
+is free, before the gradient it waits for arrives: only what the wait does not cover adds time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -28,6 +30,9 @@ class PipelineTime:
     stage_times_s: dict[str, tuple[float, ...]]  # "F", "B", "I", "W" -> seconds per stage
     first_start_s: tuple[float, ...] = ()  # per rank: when its first action starts
     last_end_s: tuple[float, ...] = ()  # per rank: when its last action ends
+    # (stage, kind, microbatch) -> seconds its rank sat idle before it, waiting on another stage
+    waits_s: dict[tuple[int, str, int], float] = field(default_factory=dict, compare=False)
+    hidden_recompute_s: tuple[float, ...] = ()  # per rank: early recompute run while it waited
 
     @property
     def bubble(self) -> tuple[float, ...]:
@@ -45,6 +50,7 @@ class PipelineTime:
             "bubble": list(self.bubble),
             "bubble_fraction": self.bubble_fraction,
             "stage_times_s": {k: list(v) for k, v in self.stage_times_s.items()},
+            "hidden_recompute_s": list(self.hidden_recompute_s),
         }
 
 
@@ -64,8 +70,11 @@ def stage_times(graph: OpGraph, cuts: tuple[StageCut, ...], times: np.ndarray) -
     return {k: tuple(v) for k, v in out.items()}
 
 
-def pipeline_time(schedule: PipelineSchedule, per_stage: dict[str, tuple[float, ...]]) -> PipelineTime:
-    """Replay every rank's compute actions against their cross-stage dependencies."""
+def pipeline_time(
+    schedule: PipelineSchedule, per_stage: dict[str, tuple[float, ...]], early_s: tuple[float, ...] = ()
+) -> PipelineTime:
+    """Replay every rank's compute actions against their cross-stage dependencies. `early_s`: per
+    stage, the seconds of each B's recompute that may run before its gradient arrives (part of B)."""
     last = schedule.num_stages - 1
     queues = [list(schedule.compute(r)) for r in range(schedule.pp)]
     pos = [0] * schedule.pp
@@ -73,6 +82,8 @@ def pipeline_time(schedule: PipelineSchedule, per_stage: dict[str, tuple[float, 
     busy = [0.0] * schedule.pp
     first = [None] * schedule.pp
     done: dict[tuple[int, str, int], float] = {}
+    waits: dict[tuple[int, str, int], float] = {}
+    hidden = [0.0] * schedule.pp
     remaining = sum(len(q) for q in queues)
     while remaining:
         progressed = False
@@ -93,9 +104,14 @@ def pipeline_time(schedule: PipelineSchedule, per_stage: dict[str, tuple[float, 
                 ready = [done[d] for d in deps if d in done]
                 if deps and not ready:
                     break
-                start = max([free_at[r], *ready])
-                first[r] = start if first[r] is None else first[r]
                 seconds = per_stage[a.kind][a.stage]
+                ahead = min(early_s[a.stage], seconds) if a.kind == "B" and early_s and ready else 0.0
+                start = max([free_at[r], *[t - ahead for t in ready]])
+                first[r] = start if first[r] is None else first[r]
+                key = (a.stage, a.kind, a.microbatch)
+                if ready and max(ready) > free_at[r]:
+                    waits[key] = max(ready) - free_at[r]
+                    hidden[r] += min(ahead, waits[key])
                 free_at[r] = start + seconds
                 busy[r] += seconds
                 done[(a.stage, a.kind, a.microbatch)] = free_at[r]
@@ -110,4 +126,6 @@ def pipeline_time(schedule: PipelineSchedule, per_stage: dict[str, tuple[float, 
         stage_times_s=per_stage,
         first_start_s=tuple(0.0 if f is None else f for f in first),
         last_end_s=tuple(free_at),
+        waits_s=waits,
+        hidden_recompute_s=tuple(hidden),
     )

@@ -11,6 +11,11 @@ so one linear constraint per distinct row is exact; CP-SAT picks one option per 
 the recompute seconds of the rank, each rank on its own (its stages are its own). The result is
 checked by replaying every rank with the chosen choices, as ``simulate --pp --plan`` does.
 
+A recompute that may run in the bubble before its stage's backward (:mod:`planner.simulation.pipeline_early`)
+is priced by what the unplanned schedule's waits before that stage's backwards do not cover (a hidden
+second still costs HIDDEN_PRICE of one, as under FSDP2's waits); `bubble_aware=False` prices every
+recompute in full. The step time reported is the replay's under the chosen plans either way.
+
 Under a split backward (zero-bubble, DualPipeV) only stage 0 recomputes: on a later stage torch's W
 would run a checkpointed block's forward again for every weight group
 (:attr:`PipelineSchedule.split_stages`); stage 0's recompute runs once per W.
@@ -35,6 +40,7 @@ from planner.signals import interruptible
 from planner.simulation.costs import op_times
 from planner.simulation.effects import SpanChoice, choices_from_decisions, op_keys
 from planner.simulation.pipeline import auto_split_path, simulate_pipeline
+from planner.simulation.pipeline_early import runs_early
 from planner.simulation.pipeline_schedule import PipelineSchedule, pipeline_schedule
 from planner.simulation.pipeline_split import StageCut, cut_stages
 from planner.simulation.pipeline_step import (
@@ -47,7 +53,7 @@ from planner.simulation.pipeline_step import (
 from planner.solver.baselines import block_spans
 from planner.solver.cpsat import RELATIVE_GAP_LIMIT, _match
 from planner.solver.cpsat_solver import deterministic_solver
-from planner.solver.options import block_options
+from planner.solver.options import HIDDEN_PRICE, block_options
 from planner.solver.planning import decisions_for, graph_model_info
 from planner.tracing.graph import OpGraph
 from planner.units import format_bytes
@@ -89,6 +95,7 @@ class PipelineEvaluation:
     peaks: tuple[int, ...]
     recompute_s: tuple[float, ...]  # per pp rank, per step
     step_s: float
+    hidden_recompute_s: tuple[float, ...] = ()  # per pp rank, per step: run while it waited
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,7 @@ class PipelinePlan:
     cuts: tuple[StageCut, ...]
     step_s_without: float
     step_s_with: float
+    hidden_recompute_s: tuple[float, ...] = ()  # per pp rank: recompute run in the bubble before B
 
     @property
     def choices(self) -> tuple[SpanChoice, ...]:
@@ -120,6 +128,7 @@ class PipelinePlan:
                     "peak_without_bytes": r.peak_without,
                     "peak_with_bytes": r.peak_with,
                     "recompute_s": r.recompute_s,
+                    "hidden_recompute_s": self.hidden_recompute_s[r.rank] if self.hidden_recompute_s else 0.0,
                     "options": list(r.option_names),
                     "status": r.status,
                 }
@@ -147,7 +156,9 @@ def evaluate_pipeline(
         sum(e.effect.recompute_s * schedule.recompute_runs(e.stage) for e in effects if e.stage in schedule.stages(r))
         for r in range(schedule.pp)
     )
-    return PipelineEvaluation(tuple(r.peak_bytes for r in result.layout.roles), per_rank, result.time.step_s)
+    return PipelineEvaluation(
+        tuple(r.peak_bytes for r in result.layout.roles), per_rank, result.time.step_s, result.time.hidden_recompute_s
+    )
 
 
 def _diff(with_: list[StageMemory], without: list[StageMemory]) -> list[StageMemory]:
@@ -223,10 +234,12 @@ def solve_pipeline(
     keep: Sequence[str] = (),
     recompute: Sequence[str] = (),
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    bubble_aware: bool = True,
 ) -> PipelinePlan:
     """The cheapest recompute choices per pp rank that keep every rank's replayed peak within
     `budget_bytes`; `graph` is the step traced at one microbatch's batch. Raises InfeasibleBudget
-    naming the rank that cannot fit."""
+    naming the rank that cannot fit. `bubble_aware`: price a recompute that runs while its stage
+    waits for a gradient by what the wait leaves (else in full)."""
     if budget_bytes <= 0:
         raise MemplanError(f"budget must be positive, got {budget_bytes}")
     if not time_limit_s > 0:
@@ -274,7 +287,7 @@ def solve_pipeline(
                 without = stage_programs(graph, config, cuts, only=e.moved, rows=rows)
                 d = replay_rank(graph, config, _diff(with_, without), schedule, r, 0.0)[0].total
                 row_d.append(d)
-                row_c.append(e.effect.recompute_s * schedule.recompute_runs(e.stage))
+                row_c.append(_price(schedule, cuts, e, baseline.time.waits_s if bubble_aware else {}))
             if all(d is None for d in row_d):
                 row_d = [None]
                 row_c = [0.0]
@@ -326,7 +339,19 @@ def solve_pipeline(
                 f"the pipeline model ({rp.peak_with} B) and the replay ({peak} B) disagree on pp rank "
                 f"{rp.rank}'s peak under a budget of {budget_bytes} B"
             )
-    return dataclasses.replace(plan, step_s_with=check.step_s)
+    return dataclasses.replace(plan, step_s_with=check.step_s, hidden_recompute_s=check.hidden_recompute_s)
+
+
+def _price(schedule: PipelineSchedule, cuts: tuple[StageCut, ...], e, waits_s: dict) -> float:
+    """Seconds a stage effect costs per step: its recompute in every backward of its stage, less
+    (but for HIDDEN_PRICE) what the waits before them cover where it runs early."""
+    full = e.effect.recompute_s * schedule.recompute_runs(e.stage)
+    if not waits_s or not runs_early(schedule, cuts[e.stage], e.choice):
+        return full
+    hidden = sum(
+        min(e.effect.recompute_s, w) for (stage, kind, _), w in waits_s.items() if stage == e.stage and kind == "B"
+    )
+    return full - hidden * (1.0 - HIDDEN_PRICE)
 
 
 def solve_pipeline_split(
@@ -337,6 +362,7 @@ def solve_pipeline_split(
     keep: Sequence[str] = (),
     recompute: Sequence[str] = (),
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    bubble_aware: bool = True,
 ) -> tuple[PipelinePlan, TrainConfig]:
     """Under ``--pp-split auto``, the split and per-stage plans with the shortest step under the budget:
     up to AUTO_SPLITS_TRIED splits along the path `auto` takes without a plan (from the uniform split,
@@ -344,7 +370,13 @@ def solve_pipeline_split(
     fastest that fits wins. (plan, config with that split); another --pp-split is solved as given."""
     if config.pp_split.strip() != "auto":
         return solve_pipeline(
-            graph, config, budget_bytes, keep=keep, recompute=recompute, time_limit_s=time_limit_s
+            graph,
+            config,
+            budget_bytes,
+            keep=keep,
+            recompute=recompute,
+            time_limit_s=time_limit_s,
+            bubble_aware=bubble_aware,
         ), config
     path = auto_split_path(graph, config)
     picks = sorted({round(i * (len(path) - 1) / max(1, AUTO_SPLITS_TRIED - 1)) for i in range(AUTO_SPLITS_TRIED)})
@@ -353,7 +385,15 @@ def solve_pipeline_split(
     for counts in (path[i] for i in picks):
         split = config.with_(pp_split=",".join(map(str, counts)))
         try:
-            plan = solve_pipeline(graph, split, budget_bytes, keep=keep, recompute=recompute, time_limit_s=time_limit_s)
+            plan = solve_pipeline(
+                graph,
+                split,
+                budget_bytes,
+                keep=keep,
+                recompute=recompute,
+                time_limit_s=time_limit_s,
+                bubble_aware=bubble_aware,
+            )
         except InfeasibleBudget as exc:
             lowest = math.inf if exc.smallest_peak_bytes is None else exc.smallest_peak_bytes
             if refused is None or lowest < (refused.smallest_peak_bytes or math.inf):
@@ -437,6 +477,7 @@ def stage_plans(graph: OpGraph, config: TrainConfig, plan: PipelinePlan, strateg
                 in_flight=rp.in_flight,
                 blocks=tuple(r.path for r in regions),
                 plan=_stage_plan(graph, config, plan, rp, own, recompute_s, effects, strategy),
+                early_recompute=tuple(ch.span.path for ch in own if runs_early(plan.schedule, c, ch)),
             )
             out.append(p)
     return StagePlans(
@@ -465,6 +506,8 @@ def _stage_plan(graph, config, plan: PipelinePlan, rp: RankPlan, own, recompute_
             exposed_offload_s=0.0,
             step_s=plan.step_s_with,
             overhead=added / plan.step_s_without if plan.step_s_without > 0 else 0.0,
+            # a rank that recomputes early runs one stage (GPipe, 1F1B): its hidden seconds are that stage's
+            hidden_recompute_s=plan.hidden_recompute_s[rp.rank] if plan.hidden_recompute_s else 0.0,
         ),
         solver=SolverInfo(status=rp.status, objective=rp.recompute_s, bound=0.0, gap=0.0, wall_s=rp.wall_s),
     )

@@ -1,0 +1,135 @@
+"""Recompute in pipeline bubbles: the step-time model (a B starts its recompute when its rank is free),
+memplan's own checkpoint that can recompute ahead of its backward, and stage plans that say so."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from planner.config import TrainConfig
+from planner.errors import MemplanError, PlanFileError
+from planner.plans.format import load_plan
+from planner.runtime.early_recompute import EarlyCheckpoint, EarlyQueue
+from planner.simulation.pipeline_schedule import pipeline_schedule
+from planner.simulation.pipeline_time import pipeline_time
+
+
+def _times(pp: int, f: float, b: float) -> dict:
+    return {"F": (f,) * pp, "B": (b,) * pp, "I": (b,) * pp, "W": (0.0,) * pp}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from(["gpipe", "1f1b"]),
+    st.integers(2, 4),
+    st.integers(1, 3),
+    st.floats(0.1, 2.0),
+    st.floats(0.0, 3.0),
+)
+def test_early_recompute_hides_at_most_the_waits_and_never_lengthens_the_step(schedule, pp, per_stage, f, r):
+    s = pipeline_schedule(
+        TrainConfig(pp=pp, pp_schedule=schedule, microbatches=pp * per_stage, batch_size=pp * per_stage)
+    )
+    times = _times(pp, f, 2 * f + r)
+    late = pipeline_time(s, times)
+    early = pipeline_time(s, times, tuple([r] * (pp - 1) + [0.0]))
+    assert early.step_s <= late.step_s + 1e-9
+    assert early.busy_s == late.busy_s  # the same work, started sooner
+    for rank in range(pp):
+        waits = sum(min(r, w) for (stage, kind, _), w in early.waits_s.items() if stage == rank and kind == "B")
+        assert early.hidden_recompute_s[rank] <= waits + 1e-9
+    assert late.step_s - early.step_s <= sum(early.hidden_recompute_s) + 1e-9
+    assert early.hidden_recompute_s[-1] == 0.0  # the last stage waits on no gradient
+
+
+def test_first_stage_hides_its_recompute_in_the_gpipe_drain():
+    pp, m = 2, 2
+    s = pipeline_schedule(TrainConfig(pp=pp, pp_schedule="gpipe", microbatches=m, batch_size=2))
+    t = pipeline_time(s, _times(pp, 1.0, 3.0), (1.0, 0.0))
+    assert t.hidden_recompute_s[0] == pytest.approx(2.0)  # B0 waits 4 s, B1 3 s: 1 s hidden in each
+    assert t.step_s == pytest.approx(pipeline_time(s, _times(pp, 1.0, 3.0)).step_s - 1.0)
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.3), nn.Linear(32, 16))
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_early_checkpoint_gives_the_gradients_of_no_checkpoint(ahead):
+    model, x = _model(), torch.randn(4, 16, requires_grad=True)
+    reference = copy.deepcopy(model)
+    xr = x.detach().clone().requires_grad_()
+    torch.manual_seed(1)
+    reference(xr).pow(2).sum().backward()
+    torch.manual_seed(1)
+    call = EarlyCheckpoint(model, model.forward, (x,), {})
+    loss = call.forward((x,), {}).pow(2).sum()
+    assert not call.recomputed
+    torch.manual_seed(7)  # the random state moves on before the recompute: dropout's mask must not
+    if ahead:
+        call.recompute()
+        assert call.recomputed
+    loss.backward()
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    torch.testing.assert_close(xr.grad, x.grad)
+    assert call._saved is not None and all(t is None for t in call._saved)  # each dropped once read
+
+
+def test_early_queue_recomputes_the_oldest_forward_still_waiting():
+    model = _model().eval()
+    x = torch.randn(4, 16, requires_grad=True)
+    queue, calls, losses = EarlyQueue(), [], []
+    for _ in range(3):
+        call = EarlyCheckpoint(model, model.forward, (x,), {})
+        queue.add("block", call)
+        calls.append(call)
+        losses.append(call.forward((x,), {}).sum())
+    losses[0].backward()  # recomputed in its backward: passed over
+    assert queue.recompute_oldest() == 1 and calls[1].recomputed and not calls[2].recomputed
+    assert queue.recompute_oldest() == 1 and calls[2].recomputed
+    assert queue.recompute_oldest() == 0
+
+
+def test_a_module_that_saves_differently_the_second_time_is_refused():
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return x.exp() if len(calls) == 1 else x * 2
+
+    x = torch.randn(3, requires_grad=True)
+    call = EarlyCheckpoint(nn.Identity(), fn, (x,), {})
+    y = call.forward((x,), {})
+    with pytest.raises(MemplanError, match="keep it"):
+        call.recompute()
+    del y
+
+
+def test_stage_plans_name_only_whole_recomputes_early(tmp_path):
+    import pp_ranks as P
+
+    from planner.simulation.pipeline import simulate_pipeline
+    from planner.solver.pipeline_plans import solve_pipeline, stage_plans
+    from planner.tracing.recorder import trace
+
+    graph = trace(f"{P.PATH}:titan_llama", batch_size=1, seq_len=128)
+    cfg = TrainConfig(batch_size=4, seq_len=128, pp=2, pp_schedule="1f1b", microbatches=4)
+    budget = int(simulate_pipeline(graph, cfg).layout.peak_bytes * 0.83)
+    aware, full = solve_pipeline(graph, cfg, budget), solve_pipeline(graph, cfg, budget, bubble_aware=False)
+    assert aware.step_s_with <= full.step_s_with + 1e-12  # same budget, no slower step
+    plans = stage_plans(graph, cfg, aware)
+    assert plans.stages[0].early_recompute == ("layers.1",)  # stage 0's last block, first in its backward
+    assert plans.stages[1].early_recompute == ()  # the last stage has no gradient to wait for
+    assert plans.stages[0].plan.predicted.hidden_recompute_s > 0
+    assert load_plan(plans.to_dict()) == plans
+    bad = plans.to_dict()
+    bad["stages"][0]["early_recompute"] = ["layers.0.attention"]
+    with pytest.raises(PlanFileError, match="does not recompute it whole"):
+        load_plan(bad)
