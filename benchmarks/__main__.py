@@ -34,6 +34,7 @@ TABLES["ep"] = "expert_parallel"  # EP roles per rank, DeepSeek-V3 at EP 32 (ben
 TABLES["hidden_recompute"] = (
     "hidden_recompute"  # plans priced by step time vs recompute time (benchmarks/hidden_recompute.py)
 )
+TABLES["bubble_recompute"] = "bubble_recompute"  # recompute in pipeline waits (benchmarks/bubble_recompute.py)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="reduced set (under 10 minutes on 2 cores)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for results.json")
     p.add_argument(
-        "--only", default=",".join(t for t in TABLES if t != "measured"), help="comma list of: " + ", ".join(TABLES)
+        "--only",
+        default=",".join(t for t in TABLES if t not in ("measured", "bubble_recompute")),
+        help="comma list of: " + ", ".join(TABLES),
     )
     p.add_argument("--measured-time", action="store_true", help="only the measured-time table (needs a quiet machine)")
     p.add_argument("--models", default="", help="comma list of model names to keep in every table")
