@@ -430,6 +430,22 @@ def test_expert_parallel_stages_are_one_role_per_pp_rank_and_ep_role():
     assert [r.ranks for r in balanced.layout.roles] == [(0, 1), (2, 3)]
 
 
+def test_expert_parallel_blocks_keep_their_all_to_all_and_recompute_in_backward():
+    """An expert-parallel block recomputes with its all-to-all outputs kept (selective checkpointing):
+    it is not checkpointed whole, so its stage plan never lists it to run in the bubble, and the
+    plan file loads (CI: stage 0's plan ran 'layers.0.moe' early and was refused)."""
+    from pp_ranks import PATH
+
+    from planner.api import plan_pipeline_model
+    from planner.plans.format import load_plan
+
+    _, plans, _ = plan_pipeline_model(f"{PATH}:titan_moe", _moe_config(pp_schedule="1f1b", zero_stage=3), "90%")
+    kept = {d.module for s in plans.stages for d in s.plan.decisions if d.action == "keep"}
+    assert kept, "an expert-parallel recompute keeps its all-to-all outputs"
+    assert not {m for s in plans.stages for m in s.early_recompute} & kept
+    assert load_plan(plans.to_dict()) == plans
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("builder", ["titan_moe", "hf_mixtral"])

@@ -47,7 +47,7 @@ class StepCosts:
     @property
     def added_s(self) -> float:
         """Seconds the plan adds to the step: recompute not hidden in a wait, and exposed offload."""
-        return self.recompute_s - self.hidden_recompute_s + self.exposed_offload_s
+        return max(0.0, self.recompute_s - self.hidden_recompute_s) + self.exposed_offload_s
 
     @property
     def overhead(self) -> float:

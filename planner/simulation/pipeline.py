@@ -125,7 +125,7 @@ def _evaluate(
         for e in effects:
             extra[e.stage] += e.effect.recompute_s
         per_stage = {**per_stage, **{k: tuple(t + x for t, x in zip(per_stage[k], extra)) for k in ("B", "W")}}
-    early = early_recompute_s(schedule, cuts, [(e.stage, e.choice, e.effect.recompute_s) for e in effects])
+    early = early_recompute_s(graph, schedule, cuts, [(e.stage, e.choice, e.effect.recompute_s) for e in effects])
     timing = pipeline_time(schedule, per_stage, early if any(early) else ())
     replays = [replay_rank(graph, config, stages, schedule, r, timing.step_s) for r in range(schedule.pp)]
     return cuts, timing, replays

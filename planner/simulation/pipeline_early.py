@@ -15,31 +15,36 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from planner.config import SINGLE_STAGE_SCHEDULES
-from planner.simulation.effects import SpanChoice
+from planner.simulation.effects import SpanChoice, effective_keeps
 from planner.simulation.pipeline_schedule import PipelineSchedule
 from planner.simulation.pipeline_split import StageCut
+from planner.tracing.graph import OpGraph
 
 __all__ = ["early_recompute_s", "runs_early"]
 
 
-def runs_early(schedule: PipelineSchedule, cut: StageCut, choice: SpanChoice) -> bool:
-    """Whether `choice` (inside stage `cut`) recomputes while its stage waits for a B's gradient."""
+def runs_early(graph: OpGraph, schedule: PipelineSchedule, cut: StageCut, choice: SpanChoice) -> bool:
+    """Whether `choice` (inside stage `cut`) recomputes while its stage waits for a B's gradient:
+    checkpointed whole (no kept op, an expert-parallel block's kept all-to-all included)."""
     return (
         schedule.name in SINGLE_STAGE_SCHEDULES
         and cut.index < schedule.num_stages - 1
         and choice.mode == "recompute"
-        and not choice.keep_ops
         and choice.span.bwd_start == cut.bwd_start
+        and not effective_keeps(graph, choice)
     )
 
 
 def early_recompute_s(
-    schedule: PipelineSchedule, cuts: Sequence[StageCut], choices: Sequence[tuple[int, SpanChoice, float]]
+    graph: OpGraph,
+    schedule: PipelineSchedule,
+    cuts: Sequence[StageCut],
+    choices: Sequence[tuple[int, SpanChoice, float]],
 ) -> tuple[float, ...]:
     """Per stage, the seconds of each B's recompute that may run before its gradient arrives;
     `choices`: (stage, choice, its recompute seconds per backward)."""
     out = [0.0] * len(cuts)
     for stage, choice, seconds in choices:
-        if runs_early(schedule, cuts[stage], choice):
+        if runs_early(graph, schedule, cuts[stage], choice):
             out[stage] += seconds
     return tuple(out)

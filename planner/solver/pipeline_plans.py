@@ -287,7 +287,7 @@ def solve_pipeline(
                 without = stage_programs(graph, config, cuts, only=e.moved, rows=rows)
                 d = replay_rank(graph, config, _diff(with_, without), schedule, r, 0.0)[0].total
                 row_d.append(d)
-                row_c.append(_price(schedule, cuts, e, baseline.time.waits_s if bubble_aware else {}))
+                row_c.append(_price(graph, schedule, cuts, e, baseline.time.waits_s if bubble_aware else {}))
             if all(d is None for d in row_d):
                 row_d = [None]
                 row_c = [0.0]
@@ -342,11 +342,11 @@ def solve_pipeline(
     return dataclasses.replace(plan, step_s_with=check.step_s, hidden_recompute_s=check.hidden_recompute_s)
 
 
-def _price(schedule: PipelineSchedule, cuts: tuple[StageCut, ...], e, waits_s: dict) -> float:
+def _price(graph: OpGraph, schedule: PipelineSchedule, cuts: tuple[StageCut, ...], e, waits_s: dict) -> float:
     """Seconds a stage effect costs per step: its recompute in every backward of its stage, less
     (but for HIDDEN_PRICE) what the waits before them cover where it runs early."""
     full = e.effect.recompute_s * schedule.recompute_runs(e.stage)
-    if not waits_s or not runs_early(schedule, cuts[e.stage], e.choice):
+    if not waits_s or not runs_early(graph, schedule, cuts[e.stage], e.choice):
         return full
     hidden = sum(
         min(e.effect.recompute_s, w) for (stage, kind, _), w in waits_s.items() if stage == e.stage and kind == "B"
@@ -477,7 +477,7 @@ def stage_plans(graph: OpGraph, config: TrainConfig, plan: PipelinePlan, strateg
                 in_flight=rp.in_flight,
                 blocks=tuple(r.path for r in regions),
                 plan=_stage_plan(graph, config, plan, rp, own, recompute_s, effects, strategy),
-                early_recompute=tuple(ch.span.path for ch in own if runs_early(plan.schedule, c, ch)),
+                early_recompute=tuple(ch.span.path for ch in own if runs_early(graph, plan.schedule, c, ch)),
             )
             out.append(p)
     return StagePlans(
@@ -505,7 +505,7 @@ def _stage_plan(graph, config, plan: PipelinePlan, rp: RankPlan, own, recompute_
             offload_bytes=0,
             exposed_offload_s=0.0,
             step_s=plan.step_s_with,
-            overhead=added / plan.step_s_without if plan.step_s_without > 0 else 0.0,
+            overhead=max(0.0, added) / plan.step_s_without if plan.step_s_without > 0 else 0.0,
             # a rank that recomputes early runs one stage (GPipe, 1F1B): its hidden seconds are that stage's
             hidden_recompute_s=plan.hidden_recompute_s[rp.rank] if plan.hidden_recompute_s else 0.0,
         ),
