@@ -283,3 +283,28 @@ def test_a_pinned_tp_searches_expert_parallel_with_tensor_parallel(tmp_path, cap
     )
     assert code == 0, err
     assert json.loads(out.read_text())["peak_bytes"] == x.peak_bytes, x.flags()
+
+
+@pytest.mark.slow
+def test_expert_parallel_takes_tensor_parallel_where_it_alone_does_not_fit(tmp_path, capsys):
+    """Unpinned, tensor parallel joins expert parallel on a GPU count where no EP layout at tp 1 fits
+    (AdamW states, no host offload: on 4 GPUs tp1 × ep4 peaks at 3.70 MB over a 3.5 MB budget);
+    tp2 × ep2 fits there, and its flags simulate to its peak, to the byte. Where EP at tp 1 fits,
+    no (tp, ep) pair is traced."""
+    spec = f"{Path(__file__).parent / 'ep_models.py'}:titan_moe"
+    config = TrainConfig(batch_size=2, seq_len=64, gpu="h100-80gb")
+    kw = dict(max_gpus=8, global_batch=16, allow_offload=False, allow_8bit=False)
+    tight = search_layouts(spec, config, budget_bytes=3_500_000, **kw)
+    assert not any(x.fits and x.ep > 1 for x in tight.layouts if x.gpus == 4 and x.tp == 1)
+    both = [x for x in tight.layouts if x.tp > 1 and x.ep > 1]
+    assert both and all(x.gpus == 4 for x in both) and any(x.fits for x in both)
+    x = max(both, key=lambda x: x.peak_bytes)
+    out = tmp_path / "rank.json"
+    code, _, err = run(
+        ["simulate", "--model", spec, "--seq-len", "64", "--gpu", "h100-80gb", *x.flags().split(), "--json", str(out)],
+        capsys,
+    )
+    assert code == 0, err
+    assert json.loads(out.read_text())["peak_bytes"] == x.peak_bytes, x.flags()
+    roomy = search_layouts(spec, config, budget_bytes=2**30, **kw)
+    assert {x.ep for x in roomy.layouts} > {1} and not any(x.tp > 1 and x.ep > 1 for x in roomy.layouts)

@@ -246,6 +246,12 @@ class _Search:
         self.graphs[key] = max(graphs.values(), key=lambda g: simulate(g, traced).peak_bytes)
         return self.graphs[key]
 
+    def states_could_fit(self, gpus: int) -> bool:
+        """Whether the model states, FSDP2-sharded over all `gpus` under the lightest optimizer the
+        search may use (not offloaded), fit the budget: no layout on `gpus` holds fewer without host offload."""
+        optimizer = "adamw-8bit" if self.base.optimizer == "adamw" and self.allow_8bit else self.base.optimizer
+        return self.states_lower_bound(self.graphs[(1, 1, 1)], 1, gpus, optimizer) <= self.budget
+
     def states_lower_bound(self, graph: OpGraph, pp: int, dp: int, optimizer: str) -> int:
         """Model-state bytes of the lightest rank: the traced rank's states over pp stages and dp shards."""
         states = model_states_for(graph, self.base.with_(zero_stage=3, dp=dp, optimizer=optimizer))
@@ -392,14 +398,51 @@ def repeated(step: StepTime, times: int) -> StepTime:
 
 
 def _expert_degrees(search: _Search, gpus: int, fixed: TrainConfig) -> list[int]:
-    """Expert-parallel degrees above 1 for a mixture-of-experts model: powers of two dividing its
-    experts, up to the GPU count, at the pinned tensor- and context-parallel degrees (1 unless
-    --tp, --cp pin them)."""
+    """Expert-parallel degrees above 1 for a mixture-of-experts model, not yet traced: powers of two
+    dividing its experts, up to the GPU count over the tensor- and context-parallel degrees of `fixed`."""
     experts = search.graphs[(1, 1, 1)].meta.get("moe", {}).get("experts", 0)
     if not experts or gpus % (fixed.tp * fixed.cp):
         return []
-    degrees = [ep for ep in _powers_of_two(min(gpus // fixed.tp, experts))[1:] if experts % ep == 0]
-    return [ep for ep in degrees if fixed.ep in (1, ep) and search.expert_graph(ep, fixed.tp, fixed.cp) is not None]
+    return [
+        ep for ep in _powers_of_two(min(gpus // fixed.tp, experts))[1:] if experts % ep == 0 and fixed.ep in (1, ep)
+    ]
+
+
+def _expert_shapes(
+    search: _Search, gpus: int, fixed: TrainConfig, lightest_only: bool = False
+) -> list[tuple[int, int, int, int, str | None, int]]:
+    """Expert-parallel shapes at the tensor- and context-parallel degrees of `fixed`, EP borrowing each
+    stage's dp × cp ranks: without a pipeline every degree they hold (unless `lightest_only`), inside
+    one only the largest that traces (the fewest experts per rank)."""
+    tp, cp = fixed.tp, fixed.cp
+    degrees = _expert_degrees(search, gpus, fixed)
+    out = []
+    for pp in _powers_of_two(gpus // (tp * cp)) if degrees else []:
+        dp = gpus // (tp * pp * cp)
+        held = [ep for ep in degrees if dp * cp % ep == 0]
+        if fixed.pp not in (1, pp) or not held:
+            continue
+        traced = ((ep, g) for ep in reversed(held) if (g := search.expert_graph(ep, tp, cp)) is not None)
+        tried = [next(traced, None)] if pp > 1 or lightest_only else list(traced)[::-1]
+        for ep, graph in filter(None, tried):
+            out += [(tp, ep, cp, *p) for p in _pipelines(search, dp, pp, len(graph.regions))]
+    return out
+
+
+def _tensor_expert_shapes(
+    search: _Search, gpus: int, gpus_per_node: int, fixed: TrainConfig
+) -> list[tuple[int, int, int, int, str | None, int]]:
+    """Expert parallel with tensor parallel above 1 where --tp does not pin it: each tp in a node at
+    the largest EP degree (tensor parallel only buys memory here, at the cost of its collectives).
+    The search asks for these only on a GPU count where no expert-parallel layout at tp 1 fits and
+    the model states, sharded over every GPU, could: each (tp, ep) pair is a trace of its own."""
+    if fixed.tp > 1 or not _expert_degrees(search, gpus, fixed) or not search.states_could_fit(gpus):
+        return []
+    out = []
+    for tp in TENSOR_PARALLEL[1:]:
+        if tp <= min(gpus, gpus_per_node) and gpus % (tp * fixed.cp) == 0 and search.graph(tp) is not None:
+            out += _expert_shapes(search, gpus, fixed.with_(tp=tp), lightest_only=True)
+    return out
 
 
 def _context_degrees(search: _Search, gpus: int, gpus_per_node: int, fixed: TrainConfig) -> list[tuple[int, int]]:
@@ -426,16 +469,7 @@ def _shapes(
 ) -> list[tuple[int, int, int, int, str | None, int]]:
     """(tp, ep, cp, pp, schedule, stages per rank) that tile `gpus` and split the global batch evenly;
     expert parallel borrows its ranks from each stage's data-parallel ones."""
-    out = []
-    degrees, tp, cp = _expert_degrees(search, gpus, fixed), fixed.tp, fixed.cp
-    for ep in degrees:
-        blocks = len(search.graphs[(tp, ep, cp)].regions)
-        for pp in _powers_of_two(gpus // (tp * cp)):
-            dp = gpus // (tp * pp * cp)
-            # inside a pipeline only the largest degree a stage's dp × cp ranks hold: the fewest experts per rank
-            largest = max((d for d in degrees if dp * cp % d == 0), default=0)
-            if fixed.pp in (1, pp) and dp * cp % ep == 0 and (pp == 1 or ep == largest):
-                out += [(tp, ep, cp, *p) for p in _pipelines(search, dp, pp, blocks)]
+    out = _expert_shapes(search, gpus, fixed)
     for tp, cp in _context_degrees(search, gpus, gpus_per_node, fixed):
         blocks = len(search.graphs[(tp, 1, cp)].regions)
         for pp in _powers_of_two(gpus // (tp * cp)):
@@ -580,7 +614,8 @@ def search_layouts(
     """Search layouts of `config`'s step on up to `max_gpus` GPUs of `config.gpu` (see the module
     docstring); `config.tp` / `config.pp` / `config.ep` above 1 pin those degrees (expert parallel
     is tried for a mixture-of-experts model, with FSDP2 and pipelines, and with tp where --tp pins
-    it); `allow_offload` / `allow_8bit` let it try host offload and 8-bit AdamW states."""
+    it or where EP at tp 1 does not fit); `allow_offload` / `allow_8bit` let it try host offload
+    and 8-bit AdamW states."""
     started = time.perf_counter()
     device = get_device(config.gpu)
     per_node = gpus_per_node or device.gpus_per_node
@@ -610,6 +645,11 @@ def search_layouts(
             traced()
             for tp, ep, cp, pp, schedule, v in shapes:
                 layouts += _shape_layouts(search, gpus, tp, ep, cp, pp, schedule, v, config)
+            if not any(x.fits and x.gpus == gpus and x.ep > 1 for x in layouts):
+                shapes = _tensor_expert_shapes(search, gpus, per_node, config)
+                traced()
+                for tp, ep, cp, pp, schedule, v in shapes:
+                    layouts += _shape_layouts(search, gpus, tp, ep, cp, pp, schedule, v, config)
             if first_fit is None and any(x.fits and x.gpus == gpus for x in layouts):
                 first_fit = gpus
     if progress is not None:
