@@ -133,3 +133,20 @@ def test_stage_plans_name_only_whole_recomputes_early(tmp_path):
     bad["stages"][0]["early_recompute"] = ["layers.0.attention"]
     with pytest.raises(PlanFileError, match="does not recompute it whole"):
         load_plan(bad)
+
+
+def test_uniform_checkpointing_recomputes_in_backward_where_the_recipe_runs_it_so():
+    """torchtitan's full checkpointing (a layout search's uniform level, as its recipe launches it)
+    recomputes in backward: nothing hidden, a step no shorter; memplan's runtime hides some."""
+    import pp_ranks as P
+
+    from planner.analysis.layouts import strategy_choices
+    from planner.simulation.pipeline import simulate_pipeline
+    from planner.tracing.recorder import trace
+
+    graph = trace(f"{P.PATH}:titan_llama", batch_size=1, seq_len=128)
+    cfg = TrainConfig(batch_size=4, seq_len=128, pp=2, pp_schedule="1f1b", microbatches=4)
+    full = tuple(strategy_choices(graph, "full"))
+    early, late = simulate_pipeline(graph, cfg, full), simulate_pipeline(graph, cfg, full, recompute_early=False)
+    assert early.time.hidden_recompute_s[0] > 0 and not any(late.time.hidden_recompute_s)
+    assert late.time.step_s > early.time.step_s and late.peak_bytes == early.peak_bytes

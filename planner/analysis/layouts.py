@@ -324,7 +324,8 @@ class _Search:
                 peak = timeline.peak_bytes
                 step = data_parallel_step_time(graph, config, timeline, self.device)
             else:
-                pipeline = simulate_pipeline(graph, config, choices)
+                # a uniform level runs as the recipe launches it: torchtitan's checkpointing, in backward
+                pipeline = simulate_pipeline(graph, config, choices, recompute_early=False)
                 peak = pipeline.peak_bytes
                 step = repeated(pipeline_step_time(graph, config, pipeline, self.device, choices), accumulation)
         except (MemplanError, ValueError):  # a schedule torch refuses for this shape
@@ -736,6 +737,8 @@ def _with_plan(search: _Search, layout: Layout, time_limit_s: float) -> tuple[La
             summary = {
                 "decisions": len(pipeline_plan.choices),
                 "per_rank_recompute_s": [r.recompute_s for r in pipeline_plan.ranks],
+                # run in a stage's wait for its gradient by planner.recompute_in_bubbles (docs/pipeline.md)
+                "per_rank_hidden_recompute_s": list(pipeline_plan.hidden_recompute_s),
             }
     except (InfeasibleBudget, SolverTimeout, MemplanError):
         return layout, None

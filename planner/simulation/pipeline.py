@@ -108,6 +108,7 @@ def _evaluate(
     schedule: PipelineSchedule,
     counts: tuple[int, ...],
     choices: Sequence[SpanChoice] = (),
+    recompute_early: bool = True,
 ):
     cuts = cut_stages(graph, counts)
     effects = stage_effects(graph, config, cuts, choices)
@@ -125,7 +126,8 @@ def _evaluate(
         for e in effects:
             extra[e.stage] += e.effect.recompute_s
         per_stage = {**per_stage, **{k: tuple(t + x for t, x in zip(per_stage[k], extra)) for k in ("B", "W")}}
-    early = early_recompute_s(graph, schedule, cuts, [(e.stage, e.choice, e.effect.recompute_s) for e in effects])
+    runs = [(e.stage, e.choice, e.effect.recompute_s) for e in effects] if recompute_early else []
+    early = early_recompute_s(graph, schedule, cuts, runs)
     timing = pipeline_time(schedule, per_stage, early if any(early) else ())
     replays = [replay_rank(graph, config, stages, schedule, r, timing.step_s) for r in range(schedule.pp)]
     return cuts, timing, replays
@@ -177,16 +179,21 @@ def _check(graph: OpGraph, config: TrainConfig) -> None:
         )
 
 
-def simulate_pipeline(graph: OpGraph, config: TrainConfig, choices: Sequence[SpanChoice] = ()) -> PipelineTimeline:
+def simulate_pipeline(
+    graph: OpGraph, config: TrainConfig, choices: Sequence[SpanChoice] = (), recompute_early: bool = True
+) -> PipelineTimeline:
     """Every pp rank of a pipeline step; `graph` is the step traced at one microbatch's batch.
-    `choices`: recompute span choices inside stages (a plan per stage, resolved on `graph`)."""
+    `choices`: recompute span choices inside stages (a plan per stage, resolved on `graph`);
+    `recompute_early`: those that may run in a stage's wait for its gradient do (memplan's
+    planner.recompute_in_bubbles), else every recompute runs in its backward (torchtitan's
+    activation checkpointing)."""
     _check(graph, config)
     schedule = pipeline_schedule(config)
     if config.pp_split.strip() == "auto":
         counts = auto_split_path(graph, config)[-1]
     else:
         counts = blocks_per_stage(len(graph.regions), schedule.num_stages, config.pp_split)
-    cuts, timing, replays = _evaluate(graph, config, schedule, counts, choices)
+    cuts, timing, replays = _evaluate(graph, config, schedule, counts, choices, recompute_early)
     groups = group_roles(config, lambda c: c.pp)
     roles = tuple(
         RankRole(
