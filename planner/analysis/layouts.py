@@ -435,8 +435,9 @@ def _tensor_expert_shapes(
 ) -> list[tuple[int, int, int, int, str | None, int]]:
     """Expert parallel with tensor parallel above 1 where --tp does not pin it: each tp in a node at
     the largest EP degree (tensor parallel only buys memory here, at the cost of its collectives).
-    The search asks for these only on a GPU count where no expert-parallel layout at tp 1 fits and
-    the model states, sharded over every GPU, could: each (tp, ep) pair is a trace of its own."""
+    The search asks for these only on a GPU count where no expert-parallel layout at tp 1 fits
+    without host offload and the model states, sharded over every GPU, could: each (tp, ep) pair
+    is a trace of its own."""
     if fixed.tp > 1 or not _expert_degrees(search, gpus, fixed) or not search.states_could_fit(gpus):
         return []
     out = []
@@ -646,7 +647,7 @@ def search_layouts(
             traced()
             for tp, ep, cp, pp, schedule, v in shapes:
                 layouts += _shape_layouts(search, gpus, tp, ep, cp, pp, schedule, v, config)
-            if not any(x.fits and x.gpus == gpus and x.ep > 1 for x in layouts):
+            if not any(x.fits and x.gpus == gpus and x.ep > 1 and not x.offload for x in layouts):
                 shapes = _tensor_expert_shapes(search, gpus, per_node, config)
                 traced()
                 for tp, ep, cp, pp, schedule, v in shapes:
