@@ -1,15 +1,17 @@
 """Recompute in pipeline bubbles (issue 25, item 3): priced in the plan, run by the runtime, measured.
 
-Under GPipe and 1F1B a stage before the last waits, before each backward, for its gradient from the
-next stage. memplan's stage plans run the recompute of the block whose backward comes first there,
-while the stage waits (planner/simulation/pipeline_early.py, planner/runtime/early_recompute.py).
+Under GPipe, 1F1B, interleaved 1F1B and looped BFS a stage before the last waits, before each
+backward, for its gradient from the next stage. memplan's stage plans run the recompute of the block
+whose backward comes first there, while the stage waits (planner/simulation/pipeline_early.py,
+planner/runtime/early_recompute.py).
 
 1. Simulation: llama-70b, PP 8 x FSDP2 8, seq 8192, bf16-mixed, h100-80gb, 16 microbatches: plans
    that price a recompute by the step time it adds (bubble-aware, the default) against plans that
    price it by its own time, at the same budget (a fraction of the worst rank's unplanned peak).
-2. Measured on 2 gloo CPU ranks (benchmarks/models.py:llama_pipe, 1F1B, 4 microbatches): the same
-   stage plans stepped with the early recompute and without it (each block recomputed in its
-   backward), rounds interleaved, median step seconds and each rank's peak against the prediction.
+2. Measured on 2 gloo CPU ranks (benchmarks/models.py:llama_pipe, 4 microbatches; 1F1B, and
+   interleaved 1F1B with 2 stages per rank): the same stage plans stepped with the early recompute
+   and without it (each block recomputed in its backward), rounds interleaved, median step seconds
+   and each rank's peak against the prediction.
 
 python -m benchmarks.bubble_recompute [--quick] [--out DIR]
 """
@@ -68,11 +70,16 @@ def _simulated(fractions: tuple[float, ...]) -> list[dict]:
     return rows
 
 
-def _measured(rounds: int) -> dict:
+MEASURED_SCHEDULES = (("1f1b", None), ("interleaved-1f1b", 2))
+
+
+def _measured(rounds: int, schedule: str, stages_per_rank: int | None) -> dict:
     from planner.runtime.pipeline_verify import measure_pipeline_on_gloo_ranks  # torch.distributed's stack
 
     model = spec("llama_pipe")
-    config = TrainConfig(batch_size=8, seq_len=256, pp=2, pp_schedule="1f1b", microbatches=4)
+    config = TrainConfig(
+        batch_size=8, seq_len=256, pp=2, pp_schedule=schedule, microbatches=4, stages_per_rank=stages_per_rank
+    )
     graph = trace(model, batch_size=2, seq_len=256)
     unplanned = simulate_pipeline(graph, config)
     plan = solve_pipeline(graph, config, int(unplanned.layout.peak_bytes * 0.85))
@@ -85,6 +92,7 @@ def _measured(rounds: int) -> dict:
                 measure_pipeline_on_gloo_ranks(model, config, unplanned.blocks_per_stage, plans.to_dict())
             )
     out = {
+        "schedule": schedule,
         "early_recompute": [list(s.early_recompute) for s in early.stages],
         "predicted_peak_bytes": [r.peak_with for r in plan.ranks],
     }
@@ -100,7 +108,7 @@ def _measured(rounds: int) -> dict:
 def run(opts: Options) -> dict:
     return {
         "simulated": _simulated(SIM_FRACTIONS[:1] if opts.quick else SIM_FRACTIONS),
-        "measured": _measured(3 if opts.quick else ROUNDS),
+        "measured": [_measured(3 if opts.quick else ROUNDS, *s) for s in MEASURED_SCHEDULES],
     }
 
 
@@ -120,17 +128,17 @@ def show(result: dict) -> None:
     headers = ["budget", "bytes", "unplanned step"]
     headers += [f"{p} {c}" for p in ("full-price", "bubble-aware") for c in ("recompute", "hidden", "step")]
     print_table("llama-70b PP8 x FSDP2 8, 1F1B, 16 microbatches, simulated", headers + ["step gain"], body)
-    m = result["measured"]
-    rows = [
-        [name, f"{m[name]['step_s']:.3f} s", " / ".join(gb(p) for p in m[name]["peak_bytes"])]
-        for name in ("early", "in_backward")
-    ]
-    rows.append(["predicted", "-", " / ".join(gb(p) for p in m["predicted_peak_bytes"])])
-    print_table(
-        f"2 gloo ranks, 1F1B, early {m['early_recompute']}: step gain {pct(m['step_gain'])}",
-        ["recompute runs", "median step", "peak per rank"],
-        rows,
-    )
+    for m in result["measured"]:
+        rows = [
+            [name, f"{m[name]['step_s']:.3f} s", " / ".join(gb(p) for p in m[name]["peak_bytes"])]
+            for name in ("early", "in_backward")
+        ]
+        rows.append(["predicted", "-", " / ".join(gb(p) for p in m["predicted_peak_bytes"])])
+        print_table(
+            f"2 gloo ranks, {m['schedule']}, early {m['early_recompute']}: step gain {pct(m['step_gain'])}",
+            ["recompute runs", "median step", "peak per rank"],
+            rows,
+        )
 
 
 if __name__ == "__main__":

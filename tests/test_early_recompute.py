@@ -150,3 +150,65 @@ def test_uniform_checkpointing_recomputes_in_backward_where_the_recipe_runs_it_s
     early, late = simulate_pipeline(graph, cfg, full), simulate_pipeline(graph, cfg, full, recompute_early=False)
     assert early.time.hidden_recompute_s[0] > 0 and not any(late.time.hidden_recompute_s)
     assert late.time.step_s > early.time.step_s and late.peak_bytes == early.peak_bytes
+
+
+def test_the_multi_stage_runtime_recomputes_a_stage_before_the_wait_for_its_gradient():
+    """torch's multi-stage runtime (interleaved 1F1B, looped BFS) takes a backward's posted receive
+    out of `bwd_recv_ops` right before waiting on it: that stage's early queue, and only that
+    stage's, recomputes its oldest forward there; the schedule is left as it was."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules
+
+    from planner.runtime.early_recompute import recompute_in_bubbles
+
+    modules = [_model().eval(), _model().eval()]
+    x = torch.randn(4, 16, requires_grad=True)
+    handles, calls = [], []
+    for m in modules:
+        queue, call = EarlyQueue(), EarlyCheckpoint(m, m.forward, (x,), {})
+        queue.add("block", call)
+        call.forward((x,), {})
+        handles.append(SimpleNamespace(model=m, early_queue=queue))
+        calls.append(call)
+    schedule = object.__new__(schedules.ScheduleInterleaved1F1B)  # the runtime's loop is not run here
+    schedule._stages = [SimpleNamespace(stage_index=i, submod=m) for i, m in zip((0, 2), modules)]
+    schedule.bwd_recv_ops = {(2, 0): [], (0, 0): []}
+    wait = schedules._wait_batch_p2p
+    with recompute_in_bubbles(schedule, handles):
+        schedules._wait_batch_p2p(schedule.bwd_recv_ops.pop((2, 0)))
+        assert calls[1].recomputed and not calls[0].recomputed
+        schedules._wait_batch_p2p([])  # another wait (a send's): nothing armed
+        assert not calls[0].recomputed
+    assert schedules._wait_batch_p2p is wait and type(schedule.bwd_recv_ops) is dict
+    assert schedule.bwd_recv_ops == {(0, 0): []}
+
+
+@pytest.mark.parametrize(
+    ("schedule", "early_stages"),
+    [
+        ("interleaved-1f1b", [0, 2]),  # stage s on rank s % 2: every stage but the last waits for a gradient
+        ("looped-bfs", [1, 2]),  # stages 0, 1 on rank 0: stage 0 takes stage 1's gradient with no wait
+        ("zbv-zero-bubble", []),  # split backward (I then W), and the V's turn hands over on one rank
+    ],
+)
+def test_multi_stage_plans_recompute_early_where_a_stage_waits_for_its_gradient(schedule, early_stages):
+    """Which stages' plans run a block early under the multi-stage schedules (its first-backward
+    block where the planner recomputes it), and each stage's hidden seconds add up to its rank's."""
+    import pp_ranks as P
+
+    from planner.simulation.pipeline import simulate_pipeline
+    from planner.solver.pipeline_plans import solve_pipeline, stage_plans
+    from planner.tracing.recorder import trace
+
+    graph = trace(f"{P.PATH}:titan_llama", batch_size=1, seq_len=128)
+    cfg = TrainConfig(batch_size=4, seq_len=128, pp=2, pp_schedule=schedule, microbatches=4, stages_per_rank=2)
+    fraction = 0.95 if schedule == "zbv-zero-bubble" else 0.85
+    plan = solve_pipeline(graph, cfg, int(simulate_pipeline(graph, cfg).layout.peak_bytes * fraction))
+    plans = stage_plans(graph, cfg, plan)
+    early = [s.stage for s in plans.stages if s.early_recompute]
+    recomputed = {s.stage for s in plans.stages if any(d.action == "recompute" for d in s.plan.decisions)}
+    assert early == [s for s in early_stages if s in recomputed] and bool(early) == bool(early_stages)
+    for rank in range(cfg.pp):
+        mine = [s.plan.predicted.hidden_recompute_s for s in plans.stages if s.pp_rank == rank]
+        assert sum(mine) == pytest.approx(plan.hidden_recompute_s[rank])

@@ -265,9 +265,10 @@ def test_plan_cli_pp_errors_are_one_line(tmp_path, capsys, extra, needle):
 @pytest.mark.distributed
 @pytest.mark.parametrize("builder", ["titan_llama", "hf_llama"])
 def test_stage_plans_hold_the_budget_on_gloo_ranks(builder):
-    """Stage plans applied on 2 gloo ranks (GPipe, 1F1B, and ZBV zero-bubble and DualPipeV, which
-    recompute on stage 0 only): each rank's measured peak within the budget (3% for the simulation's error against the
-    measurement) and within 3% of its prediction."""
+    """Stage plans applied on 2 gloo ranks (GPipe, 1F1B, interleaved 1F1B, and ZBV zero-bubble and
+    DualPipeV, which recompute on stage 0 only): each rank's measured peak within the budget (3% for
+    the simulation's error against the measurement) and within 3% of its prediction. Under 1F1B
+    and interleaved 1F1B, stages recompute a block in their waits (recompute_in_bubbles, in the harness)."""
     spec = f"{P.PATH}:{builder}"
     graph = trace(spec, batch_size=BATCH // M, seq_len=SEQ)
     cases, predicted, budgets = [], {}, {}
@@ -275,6 +276,7 @@ def test_stage_plans_hold_the_budget_on_gloo_ranks(builder):
     for schedule, v, fraction in (
         ("gpipe", None, 0.85),
         ("1f1b", None, 0.85),
+        ("interleaved-1f1b", 2, 0.85),
         ("zbv-zero-bubble", 2, 0.95),
         ("dualpipev", 2, 0.975),
     ):
@@ -282,8 +284,10 @@ def test_stage_plans_hold_the_budget_on_gloo_ranks(builder):
         budget = int(simulate_pipeline(graph, cfg).layout.peak_bytes * fraction)
         plan = solve_pipeline(graph, cfg, budget)
         plans = stage_plans(graph, cfg, plan)
-        if schedule == "1f1b":  # stage 0's last block recomputes in its waits (recompute_in_bubbles, in the harness)
+        if schedule == "1f1b":  # stage 0's last block recomputes in its waits
             assert plans.stages[0].early_recompute
+        if schedule == "interleaved-1f1b":  # stages 0 and 2 (rank 0, the multi-stage runtime): their first blocks
+            assert [bool(s.early_recompute) for s in plans.stages] == [True, False, True, False]
         cases.append(P.case(schedule, builder, cfg, [len(s.blocks) for s in plans.stages], plans=plans.to_dict()))
         predicted[schedule], budgets[schedule] = [r.peak_with for r in plan.ranks], budget
     measured = P.run_on_ranks(cases, timeout_s=400)

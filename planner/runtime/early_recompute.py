@@ -9,11 +9,12 @@ backward first needs a tensor. Each recomputed tensor is dropped once the backwa
 and the recompute stops at the last tensor autograd saves, as torch's does.
 
 :func:`recompute_in_bubbles` calls it where memplan's pipeline plans put it
-(:mod:`planner.simulation.pipeline_early`): under torch's GPipe and 1F1B schedules, a stage that
-waits for a microbatch's gradient first recomputes the modules its plan runs early
-(``StagePlan.early_recompute``) for that microbatch. It follows torch's schedule loop, which
-posts the gradient's receive and then waits on it (``schedules._wait_batch_p2p``): the recompute
-runs between the two. Other schedules step as they are (their modules recompute in backward).
+(:mod:`planner.simulation.pipeline_early`): a stage that waits for a microbatch's gradient first
+recomputes the modules its plan runs early (``StagePlan.early_recompute``) for that microbatch.
+It follows torch's schedule loops, which post the gradient's receive and wait on it right before
+the backward (``schedules._wait_batch_p2p``): the recompute runs just before that wait. GPipe
+and 1F1B ask their stage for the receive there (``get_bwd_recv_ops``); the multi-stage runtime
+(interleaved 1F1B, looped BFS) takes the receive it posted earlier out of ``bwd_recv_ops``.
 """
 
 from __future__ import annotations
@@ -154,15 +155,34 @@ class EarlyQueue:
         return 0
 
 
+class _ArmingRecvs(dict):
+    """A multi-stage schedule's posted gradient receives: taking one out for (stage, microbatch)'s
+    backward arms that stage's early queues for the wait that follows."""
+
+    def __init__(self, posted: dict, queues: dict[int, list[EarlyQueue]], armed: list) -> None:
+        super().__init__(posted)
+        self._queues, self._armed = queues, armed
+
+    def pop(self, key, *default):
+        self._armed.extend(self._queues.get(key[0], ()))
+        return super().pop(key, *default)
+
+
+def _holds(stage_module: nn.Module, model: nn.Module) -> bool:
+    return model is stage_module or any(m is model for m in stage_module.modules())
+
+
 @contextlib.contextmanager
 def recompute_in_bubbles(schedule: Any, handles: Sequence[PlanHandle]) -> Iterator[None]:
-    """While `schedule` (torch's GPipe or 1F1B) steps, its stage recomputes its plan's early modules
-    (the handles of :func:`planner.runtime.apply.apply_plan` on its stage module) for each
-    microbatch while it waits for that microbatch's gradient. Other schedules run unchanged."""
+    """While `schedule` steps, each of this rank's stages recomputes its plan's early modules (the
+    handles of :func:`planner.runtime.apply.apply_plan` on its stage modules) for each microbatch
+    while it waits for that microbatch's gradient: torch's GPipe, 1F1B, interleaved 1F1B and
+    looped BFS. Other schedules run unchanged (their plans list no early module)."""
     from torch.distributed.pipelining import schedules
 
-    queues = [h.early_queue for h in handles if h.early_queue is not None]
-    if not queues or not isinstance(schedule, schedules.PipelineScheduleSingle):
+    planned = [h for h in handles if h.early_queue is not None]
+    multi = isinstance(schedule, schedules._PipelineScheduleRuntime)
+    if not planned or not (multi or isinstance(schedule, schedules.PipelineScheduleSingle)):
         yield
         return
     if not callable(getattr(schedules, "_wait_batch_p2p", None)):
@@ -170,28 +190,46 @@ def recompute_in_bubbles(schedule: Any, handles: Sequence[PlanHandle]) -> Iterat
             "this torch's pipeline schedules have no _wait_batch_p2p to recompute in front of; apply the stage plans "
             "without recompute_in_bubbles (their modules recompute in backward)"
         )
-    stage = schedule._stage
-    armed: list[int] = []
-    get_recv = stage.get_bwd_recv_ops
+    armed: list[EarlyQueue] = []
     wait = schedules._wait_batch_p2p
 
-    def get_bwd_recv_ops(bwd_chunk_id: int) -> list:
-        ops = get_recv(bwd_chunk_id)
-        if ops:  # the last stage receives no gradient: it has no wait to fill
-            armed.append(bwd_chunk_id)
-        return ops
-
     def wait_batch_p2p(work: list) -> None:
-        if armed:  # the receive is posted: recompute, then wait for it
+        if armed:  # the gradient's receive is posted: recompute, then wait for it
+            queues = list(armed)
             armed.clear()
             for q in queues:
                 q.recompute_oldest()
         wait(work)
 
-    stage.get_bwd_recv_ops = get_bwd_recv_ops
+    if multi:
+        queues = {
+            stage.stage_index: [h.early_queue for h in planned if _holds(stage.submod, h.model)]
+            for stage in schedule._stages
+        }
+        if not any(queues.values()):
+            raise MemplanError(
+                "none of these plan handles is on one of the schedule's stage modules; apply each stage's plan to its "
+                "stage module (the submod given to PipelineStage)"
+            )
+        posted = schedule.bwd_recv_ops
+        schedule.bwd_recv_ops = _ArmingRecvs(posted, queues, armed)
+    else:
+        stage = schedule._stage
+        get_recv = stage.get_bwd_recv_ops
+
+        def get_bwd_recv_ops(bwd_chunk_id: int) -> list:
+            ops = get_recv(bwd_chunk_id)
+            if ops:  # the last stage receives no gradient: it has no wait to fill
+                armed.extend(h.early_queue for h in planned)
+            return ops
+
+        stage.get_bwd_recv_ops = get_bwd_recv_ops
     schedules._wait_batch_p2p = wait_batch_p2p
     try:
         yield
     finally:
         schedules._wait_batch_p2p = wait
-        del stage.get_bwd_recv_ops
+        if multi:
+            schedule.bwd_recv_ops = dict(schedule.bwd_recv_ops)
+        else:
+            del stage.get_bwd_recv_ops

@@ -5,16 +5,16 @@ next stage. A recompute that memplan replays at the very start of that backward 
 backward is the stage's first, checkpointed whole) needs nothing from the gradient: run while
 the rank waits, it leaves the memory curve as it was (the same tensors, live from the same point
 of the rank's order: the end of the action before B) and adds only what the wait does not cover.
-`planner.runtime.early_recompute` runs it there under torch's GPipe and 1F1B schedules, whose
-loop waits on the gradient right before B; the multi-stage runtime posts its receives earlier,
-so its schedules recompute in B as before.
+`planner.runtime.early_recompute` runs it there: torch's schedules wait on a B's gradient right
+before B (GPipe and 1F1B; interleaved 1F1B and looped BFS, each of their stages on its own). Not
+where the next stage lives on the same rank (the V-shaped schedules hand the gradient over with
+no wait), nor in a split backward (I then W), where a stage recomputes in W, after the wait.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from planner.config import SINGLE_STAGE_SCHEDULES
 from planner.simulation.effects import SpanChoice, effective_keeps
 from planner.simulation.pipeline_schedule import PipelineSchedule
 from planner.simulation.pipeline_split import StageCut
@@ -27,12 +27,20 @@ def runs_early(graph: OpGraph, schedule: PipelineSchedule, cut: StageCut, choice
     """Whether `choice` (inside stage `cut`) recomputes while its stage waits for a B's gradient:
     checkpointed whole (no kept op, an expert-parallel block's kept all-to-all included)."""
     return (
-        schedule.name in SINGLE_STAGE_SCHEDULES
-        and cut.index < schedule.num_stages - 1
-        and choice.mode == "recompute"
+        choice.mode == "recompute"
         and choice.span.bwd_start == cut.bwd_start
+        and _waits_for_gradient(schedule, cut.index)
         and not effective_keeps(graph, choice)
     )
+
+
+def _waits_for_gradient(schedule: PipelineSchedule, stage: int) -> bool:
+    """Whether `stage` has a next stage on another rank and every backward of it is one B."""
+    if stage == schedule.num_stages - 1:
+        return False
+    rank = {s: r for r in range(schedule.pp) for s in schedule.stages(r)}
+    kinds = {a.kind for a in schedule.compute(rank[stage]) if a.stage == stage and a.kind != "F"}
+    return rank[stage + 1] != rank[stage] and kinds == {"B"}
 
 
 def early_recompute_s(

@@ -33,6 +33,7 @@ class PipelineTime:
     # (stage, kind, microbatch) -> seconds its rank sat idle before it, waiting on another stage
     waits_s: dict[tuple[int, str, int], float] = field(default_factory=dict, compare=False)
     hidden_recompute_s: tuple[float, ...] = ()  # per rank: early recompute run while it waited
+    hidden_recompute_by_stage_s: tuple[float, ...] = ()  # the same, per stage
 
     @property
     def bubble(self) -> tuple[float, ...]:
@@ -84,6 +85,7 @@ def pipeline_time(
     done: dict[tuple[int, str, int], float] = {}
     waits: dict[tuple[int, str, int], float] = {}
     hidden = [0.0] * schedule.pp
+    hidden_by_stage = [0.0] * schedule.num_stages
     remaining = sum(len(q) for q in queues)
     while remaining:
         progressed = False
@@ -112,6 +114,7 @@ def pipeline_time(
                 if ready and max(ready) > free_at[r]:
                     waits[key] = max(ready) - free_at[r]
                     hidden[r] += min(ahead, waits[key])
+                    hidden_by_stage[a.stage] += min(ahead, waits[key])
                 free_at[r] = start + seconds
                 busy[r] += seconds
                 done[(a.stage, a.kind, a.microbatch)] = free_at[r]
@@ -128,4 +131,5 @@ def pipeline_time(
         last_end_s=tuple(free_at),
         waits_s=waits,
         hidden_recompute_s=tuple(hidden),
+        hidden_recompute_by_stage_s=tuple(hidden_by_stage),
     )

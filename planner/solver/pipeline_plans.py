@@ -96,6 +96,7 @@ class PipelineEvaluation:
     recompute_s: tuple[float, ...]  # per pp rank, per step
     step_s: float
     hidden_recompute_s: tuple[float, ...] = ()  # per pp rank, per step: run while it waited
+    hidden_recompute_by_stage_s: tuple[float, ...] = ()  # the same, per stage
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ class PipelinePlan:
     step_s_without: float
     step_s_with: float
     hidden_recompute_s: tuple[float, ...] = ()  # per pp rank: recompute run in the bubble before B
+    hidden_recompute_by_stage_s: tuple[float, ...] = ()  # the same, per stage
 
     @property
     def choices(self) -> tuple[SpanChoice, ...]:
@@ -157,7 +159,11 @@ def evaluate_pipeline(
         for r in range(schedule.pp)
     )
     return PipelineEvaluation(
-        tuple(r.peak_bytes for r in result.layout.roles), per_rank, result.time.step_s, result.time.hidden_recompute_s
+        tuple(r.peak_bytes for r in result.layout.roles),
+        per_rank,
+        result.time.step_s,
+        result.time.hidden_recompute_s,
+        result.time.hidden_recompute_by_stage_s,
     )
 
 
@@ -339,7 +345,12 @@ def solve_pipeline(
                 f"the pipeline model ({rp.peak_with} B) and the replay ({peak} B) disagree on pp rank "
                 f"{rp.rank}'s peak under a budget of {budget_bytes} B"
             )
-    return dataclasses.replace(plan, step_s_with=check.step_s, hidden_recompute_s=check.hidden_recompute_s)
+    return dataclasses.replace(
+        plan,
+        step_s_with=check.step_s,
+        hidden_recompute_s=check.hidden_recompute_s,
+        hidden_recompute_by_stage_s=check.hidden_recompute_by_stage_s,
+    )
 
 
 def _price(graph: OpGraph, schedule: PipelineSchedule, cuts: tuple[StageCut, ...], e, waits_s: dict) -> float:
@@ -476,7 +487,7 @@ def stage_plans(graph: OpGraph, config: TrainConfig, plan: PipelinePlan, strateg
                 pp_rank=rp.rank,
                 in_flight=rp.in_flight,
                 blocks=tuple(r.path for r in regions),
-                plan=_stage_plan(graph, config, plan, rp, own, recompute_s, effects, strategy),
+                plan=_stage_plan(graph, config, plan, rp, s, own, recompute_s, effects, strategy),
                 early_recompute=tuple(ch.span.path for ch in own if runs_early(graph, plan.schedule, c, ch)),
             )
             out.append(p)
@@ -489,7 +500,7 @@ def stage_plans(graph: OpGraph, config: TrainConfig, plan: PipelinePlan, strateg
     )
 
 
-def _stage_plan(graph, config, plan: PipelinePlan, rp: RankPlan, own, recompute_s, effects, strategy):
+def _stage_plan(graph, config, plan: PipelinePlan, rp: RankPlan, stage: int, own, recompute_s, effects, strategy):
     added = plan.step_s_with - plan.step_s_without
     return Plan(
         model=graph_model_info(graph),
@@ -506,8 +517,7 @@ def _stage_plan(graph, config, plan: PipelinePlan, rp: RankPlan, own, recompute_
             exposed_offload_s=0.0,
             step_s=plan.step_s_with,
             overhead=max(0.0, added) / plan.step_s_without if plan.step_s_without > 0 else 0.0,
-            # a rank that recomputes early runs one stage (GPipe, 1F1B): its hidden seconds are that stage's
-            hidden_recompute_s=plan.hidden_recompute_s[rp.rank] if plan.hidden_recompute_s else 0.0,
+            hidden_recompute_s=plan.hidden_recompute_by_stage_s[stage] if plan.hidden_recompute_by_stage_s else 0.0,
         ),
         solver=SolverInfo(status=rp.status, objective=rp.recompute_s, bound=0.0, gap=0.0, wall_s=rp.wall_s),
     )
