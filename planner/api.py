@@ -479,7 +479,10 @@ def check_plan_for_spec(spec: str, config: TrainConfig, plan_path: str) -> str:
             "apply it on each stage's module with: handle = planner.apply_plan(stage_module, 'PLAN.json', stage=i)"
         )
         if any(sp.early_recompute for sp in plan.stages):
-            lines.append("and step the schedule under: with planner.recompute_in_bubbles(schedule, [handle]): ...")
+            lines.append(
+                "and step the schedule under: with planner.recompute_in_bubbles(schedule, handles): ... "
+                "(the handles of this rank's stages)"
+            )
         return "\n".join(lines)
     plans = [p for _, p in plan.buckets] if isinstance(plan, PlanLadder) else [plan]
     lines = []
