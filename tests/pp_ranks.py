@@ -20,7 +20,7 @@ from planner.runtime.parallel_verify import run_on_gloo_ranks
 from planner.runtime.pipeline_verify import measure_schedule
 from planner.runtime.tracker import LiveBytesTracker
 from planner.runtime.verify import make_optimizer
-from planner.tracing.models import Llama, LlamaConfig, lm_loss, rotary_tables
+from planner.tracing.models import Llama, LlamaConfig, LlamaStage, lm_loss
 
 WORLD_SIZE = 2
 PATH = __file__
@@ -54,27 +54,6 @@ def hf_llama(batch_size: int, seq_len: int):
     )
     ids, labels = _tokens(batch_size, seq_len)
     return LlamaForCausalLM(config), {"input_ids": ids, "labels": labels}
-
-
-class TitanStage(nn.Module):
-    """Layers [first, end) of a planner Llama; the embeddings on stage 0, norm and head on the last."""
-
-    def __init__(self, model: Llama, first: int, end: int, is_first: bool, is_last: bool, seq_len: int) -> None:
-        super().__init__()
-        self.config = model.config
-        self.seq_len = seq_len  # the whole sequence: a later stage may receive sequence-parallel shards
-        self.embed_tokens = model.embed_tokens if is_first else None
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(first, end)})
-        self.norm = model.norm if is_last else None
-        self.lm_head = model.lm_head if is_last else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(x) if self.embed_tokens is not None else x
-        cos, sin = rotary_tables(self.seq_len, self.config.head_dim, self.config.rope_theta, h.device)
-        cos, sin = cos.to(h.dtype), sin.to(h.dtype)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, None)
-        return self.lm_head(self.norm(h)) if self.lm_head is not None else h
 
 
 class HFStage(nn.Module):
@@ -157,7 +136,7 @@ def _hf_loss(vocab_size: int):
 
 def _stage_modules(builder: str, model, counts: list[int], stage_ids: list[int], seq_len: int):
     firsts = [sum(counts[:k]) for k in range(len(counts))]
-    cls = {"hf_llama": HFStage, "hf_mixtral": HFStage, "titan_moe": MoEStage}.get(builder, TitanStage)
+    cls = {"hf_llama": HFStage, "hf_mixtral": HFStage, "titan_moe": MoEStage}.get(builder, LlamaStage)
     last = len(counts) - 1
     return [cls(model, firsts[s], firsts[s] + counts[s], s == 0, s == last, seq_len) for s in stage_ids]
 

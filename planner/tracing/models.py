@@ -15,6 +15,7 @@ from torch import Tensor, nn
 __all__ = [
     "LlamaConfig",
     "Llama",
+    "LlamaStage",
     "KwargsLlama",
     "CausalLMOutput",
     "GPTConfig",
@@ -179,6 +180,30 @@ class Llama(nn.Module):
     def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> Tensor:
         logits = self.logits(input_ids)
         return logits if labels is None else lm_loss(logits, labels)
+
+
+class LlamaStage(nn.Module):
+    """A pipeline stage of a :class:`Llama`, cut as torchtitan cuts it: layers [first, end) under
+    their own names (``layers.3`` stays ``layers.3``, so a stage plan applies), the embeddings on
+    the first stage, the final norm and head on the last (which returns logits). `seq_len`: the
+    whole sequence, for the rotary tables (a later stage may receive sequence-parallel shards)."""
+
+    def __init__(self, model: Llama, first: int, end: int, is_first: bool, is_last: bool, seq_len: int) -> None:
+        super().__init__()
+        self.config = model.config
+        self.seq_len = seq_len
+        self.embed_tokens = model.embed_tokens if is_first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(first, end)})
+        self.norm = model.norm if is_last else None
+        self.lm_head = model.lm_head if is_last else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        cos, sin = rotary_tables(self.seq_len, self.config.head_dim, self.config.rope_theta, h.device)
+        cos, sin = cos.to(h.dtype), sin.to(h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, None)
+        return self.lm_head(self.norm(h)) if self.lm_head is not None else h
 
 
 @dataclass(frozen=True)
