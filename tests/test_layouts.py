@@ -22,6 +22,15 @@ REQUIRED = (
 ).split()
 
 
+def _simulates_to_its_peak(x, spec: str, tmp_path, capsys, *gpu: str) -> None:
+    """The layout's flags, through `memplan simulate`, give its peak to the byte."""
+    out = tmp_path / "rank.json"
+    argv = ["simulate", "--model", spec, "--seq-len", "64", *gpu, *x.flags().split(), "--json", str(out)]
+    code, _, err = run(argv, capsys)
+    assert code == 0, err
+    assert json.loads(out.read_text())["peak_bytes"] == x.peak_bytes, x.flags()
+
+
 @pytest.fixture(scope="module")
 def search():
     return search_layouts(
@@ -76,11 +85,7 @@ def test_recipe_check_line_simulates_the_layout(search, tmp_path, capsys):
         picked.setdefault((x.recompute, x.pp > 1, x.tp > 1), x)
     assert {r for r, _, _ in picked} >= {"none", "full"}
     for x in picked.values():
-        out = tmp_path / "rank.json"
-        argv = ["simulate", "--model", SPEC, "--seq-len", "64", "--gpu", "h100-80gb", *x.flags().split()]
-        code, _, err = run([*argv, "--json", str(out)], capsys)
-        assert code == 0, err
-        assert json.loads(out.read_text())["peak_bytes"] == x.peak_bytes, x.flags()
+        _simulates_to_its_peak(x, SPEC, tmp_path, capsys, "--gpu", "h100-80gb")
 
 
 def test_pareto_front_trades_gpus_for_time(search):
@@ -240,13 +245,7 @@ def test_a_mixture_of_experts_searches_expert_parallel(tmp_path, capsys):
     assert {x.ep for x in found.layouts} >= {1, 2, 4} and all(x.dp % x.ep == 0 for x in found.layouts)
     pinned = search_layouts(MIXTRAL, mixtral.with_(dp=2, ep=2), max_gpus=4, budget_bytes=2**30, global_batch=16)
     assert pinned.layouts and {x.ep for x in pinned.layouts} == {2}
-    x = max(pinned.layouts, key=lambda x: x.peak_bytes)
-    out = tmp_path / "rank.json"
-    code, _, err = run(
-        ["simulate", "--model", MIXTRAL, "--seq-len", "64", *x.flags().split(), "--json", str(out)], capsys
-    )
-    assert code == 0, err
-    assert json.loads(out.read_text())["peak_bytes"] == x.peak_bytes, x.flags()
+    _simulates_to_its_peak(max(pinned.layouts, key=lambda x: x.peak_bytes), MIXTRAL, tmp_path, capsys)
 
 
 @pytest.mark.slow
@@ -259,11 +258,7 @@ def test_a_mixture_of_experts_searches_expert_parallel_inside_pipelines(tmp_path
     found = search_layouts(spec, TrainConfig(batch_size=2, seq_len=64), max_gpus=4, budget_bytes=2**30, global_batch=16)
     both = [x for x in found.layouts if x.pp > 1 and x.ep > 1]
     assert both and all(x.dp % x.ep == 0 for x in both)
-    x = max(both, key=lambda x: x.peak_bytes)
-    out = tmp_path / "rank.json"
-    code, _, err = run(["simulate", "--model", spec, "--seq-len", "64", *x.flags().split(), "--json", str(out)], capsys)
-    assert code == 0, err
-    assert json.loads(out.read_text())["peak_bytes"] == x.peak_bytes, x.flags()
+    _simulates_to_its_peak(max(both, key=lambda x: x.peak_bytes), spec, tmp_path, capsys)
 
 
 @pytest.mark.slow
@@ -275,14 +270,7 @@ def test_a_pinned_tp_searches_expert_parallel_with_tensor_parallel(tmp_path, cap
     found = search_layouts(spec, config, max_gpus=8, budget_bytes=2**30, global_batch=16)
     experts = [x for x in found.layouts if x.ep > 1]
     assert experts and all(x.tp == 2 and x.dp % x.ep == 0 for x in found.layouts)
-    x = max(experts, key=lambda x: x.peak_bytes)
-    out = tmp_path / "rank.json"
-    code, _, err = run(
-        ["simulate", "--model", spec, "--seq-len", "64", "--gpu", "h100-80gb", *x.flags().split(), "--json", str(out)],
-        capsys,
-    )
-    assert code == 0, err
-    assert json.loads(out.read_text())["peak_bytes"] == x.peak_bytes, x.flags()
+    _simulates_to_its_peak(max(experts, key=lambda x: x.peak_bytes), spec, tmp_path, capsys, "--gpu", "h100-80gb")
 
 
 @pytest.mark.slow
@@ -298,13 +286,6 @@ def test_expert_parallel_takes_tensor_parallel_where_it_alone_does_not_fit(tmp_p
     assert not any(x.fits and x.ep > 1 for x in tight.layouts if x.gpus == 4 and x.tp == 1)
     both = [x for x in tight.layouts if x.tp > 1 and x.ep > 1]
     assert both and all(x.gpus == 4 for x in both) and any(x.fits for x in both)
-    x = max(both, key=lambda x: x.peak_bytes)
-    out = tmp_path / "rank.json"
-    code, _, err = run(
-        ["simulate", "--model", spec, "--seq-len", "64", "--gpu", "h100-80gb", *x.flags().split(), "--json", str(out)],
-        capsys,
-    )
-    assert code == 0, err
-    assert json.loads(out.read_text())["peak_bytes"] == x.peak_bytes, x.flags()
+    _simulates_to_its_peak(max(both, key=lambda x: x.peak_bytes), spec, tmp_path, capsys, "--gpu", "h100-80gb")
     roomy = search_layouts(spec, config, budget_bytes=2**30, **kw)
     assert {x.ep for x in roomy.layouts} > {1} and not any(x.tp > 1 and x.ep > 1 for x in roomy.layouts)
