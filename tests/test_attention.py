@@ -248,6 +248,7 @@ def _activation_bytes(graph) -> int:
     return sum(t.nbytes for t in graph.tensors.values() if t.category == "activation")
 
 
+@pytest.mark.slow  # 5 s: a 671B trace; the other attention counts stay fast
 def test_deepseek_v3_on_h100_has_no_s_by_s_and_matches_the_hand_count(tmp_path):
     pytest.importorskip("transformers")
     s = 300  # no dimension of the config is 300

@@ -236,6 +236,7 @@ def test_a_fully_sharded_model_is_refused_in_one_line():
             plan_for(model, inputs, "80%")
 
 
+@pytest.mark.slow  # 6 s; the TP rank share stays in the fast tier
 def test_an_expert_parallel_model_is_planned_as_its_rank_share():
     """Experts sharded over an ep mesh: the live trace is this EP rank's share under the routing
     assumption; rank 0, the busiest under --moe-imbalance 2, plans as `memplan plan --ep 2` does."""

@@ -315,6 +315,7 @@ def test_ring_exchanges_are_priced_on_the_cp_link_and_hidden_by_the_local_attent
     assert sum(times[o.index] for o in ring) < 0.5 * sum(collective_s(o, graph, device) for o in ring)
 
 
+@pytest.mark.slow  # 11 s; tests/test_layouts.py covers the search in the fast tier
 def test_fit_searches_context_parallel_layouts(capsys, tmp_path):
     """`fit --cp 2` searches layouts with context parallel 2: FSDP2 over dp × cp, the recipe and the
     flags say cp, and the flags simulate to the layout's peak."""
@@ -333,6 +334,7 @@ def test_fit_searches_context_parallel_layouts(capsys, tmp_path):
     assert json.loads(sim.read_text())["peak_bytes"] == best["peak_bytes"]
 
 
+@pytest.mark.slow  # 6 s; the fast tier covers pinned searches
 def test_fit_searches_expert_parallel_with_pinned_context_parallel(capsys, tmp_path):
     """`fit --ep 2 --cp 2`: every layout has both (EP borrowing the dp × cp ranks), and the flags of
     the recommended one simulate to its peak."""

@@ -63,6 +63,7 @@ def test_folded_trace_is_the_full_trace(monkeypatch, make):
     _assert_folds_exactly(monkeypatch, make(FOLD_MIN_RUN + 1), FOLD_MIN_RUN + 1)
 
 
+@pytest.mark.slow  # 5 s; folding stays proven in the fast tier
 def test_folded_trace_keeps_which_parameters_are_frozen(monkeypatch):
     """Frozen parameters (no gradient, no optimizer states) in every block extend with the copies."""
 
@@ -81,6 +82,7 @@ def test_folded_trace_keeps_which_parameters_are_frozen(monkeypatch):
     assert simulate(folded, config).model_states == simulate(full, config).model_states
 
 
+@pytest.mark.slow  # 6 s; folding stays proven in the fast tier
 def test_folded_trace_is_the_full_trace_in_mixed_precision_under_zero3(monkeypatch):
     _assert_folds_exactly(monkeypatch, _llama(FOLD_MIN_RUN), FOLD_MIN_RUN, precision="bf16-mixed", gathered_params=True)
 

@@ -157,6 +157,7 @@ def test_ep_errors_are_one_line(capsys, argv, needles):
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow  # 6 s; test_ep covers EP sharding in the fast tier
 def test_tp_shards_the_experts_hidden_dimension_and_ep_their_count():
     """torchtitan-style MoE under TP 2 (experts' hidden dimension over tp), and TP 2 × EP 2 (the
     experts over ep, each also over tp): the TP ranks of an EP index share its role; the experts'

@@ -130,6 +130,7 @@ def test_pinned_degrees_are_kept():
     assert r.layouts and all(x.tp == 2 for x in r.layouts)
 
 
+@pytest.mark.slow  # 7 s: a whole search
 def test_the_search_gives_the_garbage_collector_back_what_it_froze():
     import gc
 
@@ -180,6 +181,7 @@ def test_cli_json_and_recipe(tmp_path, capsys):
     )
 
 
+@pytest.mark.slow  # 4 s; test_nothing_fits_says_what_binds_in_one_line stays fast
 def test_cli_what_binds(tmp_path, capsys):
     gpu = _small_gpu(tmp_path, MiB)
     code, stdout, err = run(

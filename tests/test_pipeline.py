@@ -188,7 +188,10 @@ def test_verify_pipeline_refusals_are_one_line(capsys, extra, needle):
     assert_user_error(code, err, "verify", needle)
 
 
-@pytest.mark.parametrize("schedule", PP_SCHEDULES)
+@pytest.mark.parametrize(  # one split and one whole backward in the fast tier (4-5 s each)
+    "schedule",
+    [s if s in ("1f1b", "zbv-zero-bubble") else pytest.param(s, marks=pytest.mark.slow) for s in PP_SCHEDULES],
+)
 def test_split_backward_with_fsdp2_resharding_is_warned_in_simulate_and_refused_by_verify(tmp_path, capsys, schedule):
     """Only the schedules that split a stage's backward (I, then W) under FSDP2 resharding after
     forward get the warning (simulate's text and JSON) and verify's one-line refusal; resharding
