@@ -113,8 +113,9 @@ def pipeline_time(
                 key = (a.stage, a.kind, a.microbatch)
                 if ready and max(ready) > free_at[r]:
                     waits[key] = max(ready) - free_at[r]
-                    hidden[r] += min(ahead, waits[key])
-                    hidden_by_stage[a.stage] += min(ahead, waits[key])
+                    covered = min(ahead, waits[key])
+                    hidden[r] += covered
+                    hidden_by_stage[a.stage] += covered
                 free_at[r] = start + seconds
                 busy[r] += seconds
                 done[(a.stage, a.kind, a.microbatch)] = free_at[r]
