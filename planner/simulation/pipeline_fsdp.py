@@ -1,17 +1,20 @@
 """FSDP2 under a pipeline (``--pp N --dp M --zero 3``): each stage's buffers as
-``torch.distributed.pipelining`` runs an FSDP2 stage module (stage.py, torch 2.13).
+``torch.distributed.pipelining`` runs an FSDP2 stage module (stage.py, schedules.py, torch 2.13).
 
 Each stage module is its own FSDP2 root over its blocks (torchtitan: ``fully_shard`` per block, then
 the stage). Every backward runs with ``set_reshard_after_backward(False)`` and
-``set_requires_gradient_sync(False)``; the stage's ``REDUCE_GRAD`` after its last microbatch
+``set_requires_gradient_sync(False)``; the stage's ``REDUCE_GRAD``, right after its last backward,
 reduce-scatters the gradients and reshards. So, per stage:
 
-- the root's parameters (the stage's own, outside its blocks) are gathered at its first forward
-  and stay gathered (FSDP2 never reshards a root after forward);
-- a block is gathered at its forward; it is resharded after it with ``reshard_after_forward`` true
-  and kept otherwise; a backward gathers it again (the next block in backward order is prefetched)
-  and keeps it, so after a stage's first backward every block stays gathered until the next
-  forward (true) or the end of the step (false);
+- a forward gathers the root and each block not gathered yet; a unit it all-gathers keeps its
+  all-gather output until the next unit's copy-out, the last one until the root's forward ends
+  (FSDP2's ``all_gather_state``); post-forward reshards every block, and the root too (an explicit
+  ``reshard_after_forward`` covers it), unless ``reshard_after_forward`` is false;
+- a backward gathers the root at its pre-backward (on the last stage after the loss's own backward,
+  then it prefetches the last block; elsewhere right after the last block's, both hooks on the
+  stage's output) and each block, prefetched when the one after it starts; each copy-out holds the
+  output and the parameters at once; everything stays gathered until the next forward (or
+  ``REDUCE_GRAD``);
 - gradients stay unsharded, in the traced dtype (the reduce dtype where it differs), from the op
   that makes them until ``REDUCE_GRAD``; a later microbatch's gradient is a transient added into
   them;
@@ -20,8 +23,8 @@ reduce-scatters the gradients and reshards. So, per stage:
 
 A multi-stage schedule (interleaved, looped, V-shaped) runs on torch's runtime, which adds UNSHARD
 and RESHARD actions: before each compute action the next three distinct stages it will run are
-gathered whole (every FSDP2 module) and kept, whatever ``reshard_after_forward`` says, until the
-runtime evicts them (:func:`unshard_plan`).
+all-gathered whole (every FSDP2 module), and the first compute of such a stage waits each all-gather
+in turn, until the runtime evicts them (:func:`unshard_plan`).
 
 The stage programs count sharded parameters and gradients (planner.simulation.costs.category_scale);
 this module gives what FSDP2 holds beyond them, per op of each action.
@@ -109,6 +112,12 @@ class StageFsdp:
     # per block: prefetched in backward (an all-gather over more than one rank); a unit sharded over
     # one rank (the experts when ep = dp) is copied whole when its own backward starts
     prefetched: tuple[bool, ...]
+    # the root's pre-backward: before the last block's when the stage's output is made by root ops
+    # after its blocks (the last stage's norm and head; it then prefetches the last block), else right
+    # after it (both hooks on the same output, the block's registered first)
+    root_first: bool
+    root_bwd_start: int  # the op the root's pre-backward runs before (the last stage's loss backward first)
+    root_fwd_end: int  # the op after the root's forward (the last stage's loss is outside the stage module)
 
     @property
     def gradient_bytes(self) -> int:
@@ -135,6 +144,13 @@ def stage_fsdp(graph: OpGraph, config: TrainConfig, cut: StageCut, sizes: dict[i
         if t.category == "gradient" and t.free_op is None and cut.bwd_start <= a < cut.bwd_end:
             grad_at[a - cut.bwd_start] += int(t.nbytes * accumulate) - sizes[t.id]
     root = _root_bytes(graph, config.shard_ranks, cut)
+    last_fwd_end, last_bwd_start = (
+        (blocks[-1].fwd_end, blocks[-1].bwd_start) if blocks else (cut.fwd_start, cut.bwd_start)
+    )
+    root_first = any(op.phase == "forward" for op in graph.ops[last_fwd_end : cut.fwd_end])
+    loss_start = next((i for i in range(cut.fwd_start, cut.fwd_end) if graph.ops[i].phase == "loss"), None)
+    has_loss = loss_start is not None
+    own_backward = (i for i in range(cut.bwd_start, cut.bwd_end) if graph.ops[i].module or not has_loss)
     return StageFsdp(
         cut=cut,
         block_bytes=tuple(u.param_bytes for u in blocks),
@@ -150,6 +166,9 @@ def stage_fsdp(graph: OpGraph, config: TrainConfig, cut: StageCut, sizes: dict[i
             u.path not in graph.meta.get("ep_expert_modules", ()) or expert_shard_ranks(graph, config.shard_ranks) > 1
             for u in blocks
         ),
+        root_first=root_first,
+        root_bwd_start=next(own_backward, cut.bwd_start) if root_first else last_bwd_start,
+        root_fwd_end=cut.fwd_end if loss_start is None else loss_start,
     )
 
 
@@ -167,63 +186,151 @@ def _root_bytes(graph: OpGraph, dp: int, cut: StageCut) -> int:
     return sum(padded_bytes(params[tid].shape, param_itemsize(params[tid]), dp) for tid in read)
 
 
+@dataclass(frozen=True)
+class ActionExtras:
+    """FSDP2's bytes beyond the programs' during one action: (parameter, gradient) at each op, and
+    at the instants just before the ops at positions `copy_out_at`, where a unit is copied out of
+    its all-gather output (both live)."""
+
+    parameter: np.ndarray
+    gradient: np.ndarray
+    copy_out_at: np.ndarray  # positions in the action's ops
+    copy_out_bytes: np.ndarray  # (instants, 2): parameter and gradient bytes at each
+
+
+def _position(ops: np.ndarray, op: int) -> int | None:
+    """The position of `op` among an action's ops, or None."""
+    found = np.flatnonzero(ops == op)
+    return int(found[0]) if len(found) else None
+
+
 class StageFsdpState:
-    """What one stage's FSDP2 holds as a rank runs its actions: which blocks are gathered, whether
-    its gradients exist. :meth:`extras` gives the bytes beyond the programs' at each op of an action."""
+    """What one stage's FSDP2 holds as a rank runs its actions: which blocks and whether its root are
+    gathered, whether its gradients exist. :meth:`extras` gives the bytes beyond the programs' at
+    each op of an action."""
 
     def __init__(self, fsdp: StageFsdp) -> None:
         self.fsdp = fsdp
         self.gathered = (False,) * len(fsdp.block_bytes)
         self.root = False
         self.grads = False
-        self.pinned = False  # unsharded by the schedule (UNSHARD): kept until its RESHARD
-        self._cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self.awaiting = False  # unsharded by UNSHARD; its first compute waits for the all-gathers
+        self._cache: dict[tuple, ActionExtras] = {}
 
     def unshard(self) -> None:
-        """The multi-stage runtime's UNSHARD: every FSDP2 module of the stage gathered, kept until RESHARD."""
-        self.gathered, self.root, self.pinned = (True,) * len(self.gathered), True, True
+        """The multi-stage runtime's UNSHARD: every FSDP2 module of the stage gathered (FSDP2's own
+        hooks still reshard them after a forward when ``reshard_after_forward`` says so)."""
+        self.gathered, self.root, self.awaiting = (True,) * len(self.gathered), True, True
 
     def reshard(self) -> None:
         """The multi-stage runtime's RESHARD."""
-        self.gathered, self.root, self.pinned = (False,) * len(self.gathered), False, False
+        self.gathered, self.root, self.awaiting = (False,) * len(self.gathered), False, False
 
-    def extras(self, kind: str, ops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(parameter, gradient) bytes beyond the programs' at each op of this action (F, B, I or W);
-        the state then moves past it."""
-        key = (kind, self.gathered, self.grads, self.pinned, len(ops))
+    def reduced(self) -> None:
+        """After REDUCE_GRAD: the gradients reduce-scattered into the sharded ones, every unit resharded."""
+        self.reshard()
+        self.grads = False
+
+    def extras(self, kind: str, ops: np.ndarray) -> ActionExtras:
+        """The bytes beyond the programs' during this action (F, B, I or W); the state then moves past it."""
+        key = (kind, self.gathered, self.root, self.grads, self.awaiting, len(ops))
         if key not in self._cache:
             self._cache[key] = self._extras(kind, ops)
-        self.root = True
-        if kind == "F":
-            self.gathered = (self.fsdp.keep_after_forward or self.pinned,) * len(self.gathered)
-        else:
-            self.gathered = (True,) * len(self.gathered)
+        self.awaiting = False
+        if kind == "F":  # post-forward reshards (an explicit reshard_after_forward covers the root too)
+            keep = self.fsdp.keep_after_forward
+            self.gathered, self.root = (keep,) * len(self.gathered), keep
+        else:  # reshard_after_backward is off until REDUCE_GRAD
+            self.gathered, self.root = (True,) * len(self.gathered), True
             self.grads = self.grads or kind in ("B", "W")
         return self._cache[key]
 
-    def _extras(self, kind: str, ops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _extras(self, kind: str, ops: np.ndarray) -> ActionExtras:
         f = self.fsdp
         everywhere = np.ones(len(ops), dtype=bool)
-        param = np.full(len(ops), f.root_bytes, dtype=np.int64)
+        if kind == "F":  # the root's post-forward frees the last all-gather output (and reshards it)
+            in_root = ops < f.root_fwd_end
+            param = np.where(in_root | f.keep_after_forward, f.root_bytes, 0) + np.where(
+                in_root, self._forward_outputs(ops), 0
+            )
+        elif self.root:
+            param = np.full(len(ops), f.root_bytes, dtype=np.int64)
+        else:
+            param = np.where(ops >= f.root_bwd_start, f.root_bytes, 0)
+        last = len(f.block_bytes) - 1
         for k, nbytes in enumerate(f.block_bytes):
             if kind == "F":
                 start, end = f.block_fwd[k]
-                kept = everywhere if f.keep_after_forward or self.pinned else ops < end
+                kept = everywhere if f.keep_after_forward else ops < end
                 held = kept if self.gathered[k] else (ops >= start) & kept
-            else:  # a backward gathers the block at its start, prefetched when the next one starts
-                ahead = k + 1 < len(f.block_bytes) and f.prefetched[k]
-                start = f.block_bwd[k + 1][0] if ahead else f.block_bwd[k][0]
+            else:  # a backward gathers a block at its start, prefetched when the one after it (or the root) starts
+                if not f.prefetched[k] or (k == last and not (f.root_first and f.root_bytes)):
+                    start = f.block_bwd[k][0]
+                else:
+                    start = f.block_bwd[k + 1][0] if k < last else f.root_bwd_start
                 held = everywhere if self.gathered[k] else ops >= start
             param += np.where(held, nbytes, 0)
         grad = np.zeros(len(ops), dtype=np.int64)
-        if kind in ("B", "W"):
+        made = np.zeros(len(ops), dtype=np.int64)
+        if kind in ("F", "I") and self.grads:  # a later microbatch's forward or I: the unsharded gradients wait
+            grad += f.gradient_bytes
+        elif kind in ("B", "W"):
             inside = (ops >= f.cut.bwd_start) & (ops < f.cut.bwd_end)
             rel = np.clip(ops - f.cut.bwd_start, 0, len(f.grad_at) - 1)
-            if self.grads:  # accumulated into: a later microbatch's gradient is a transient at its op
-                grad = f.gradient_bytes + np.where(inside, f.grad_at[rel], 0)
-            else:
-                grad = np.where(inside, np.cumsum(f.grad_at)[rel], 0)
-        return param, grad
+            made = np.where(inside, f.grad_at[rel], 0)
+            # accumulated into: a later microbatch's gradient is a transient added at its op
+            grad = f.gradient_bytes + made if self.grads else np.where(inside, np.cumsum(f.grad_at)[rel], 0)
+        at, instants = self._copy_outs(kind, ops, param, grad - made)
+        return ActionExtras(param, grad, np.array(at, dtype=np.int64), np.array(instants, dtype=np.int64))
+
+    def _copy_outs(
+        self, kind: str, ops: np.ndarray, param: np.ndarray, grad_before: np.ndarray
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """The copy-outs a forward's ops do not show, each an instant before an op where a unit's
+        all-gather output and its parameters are both live: after UNSHARD, the stage's first action
+        waits each unit in turn before it starts; a backward copies the root out at its pre-backward
+        and each block before its first op (before it prefetches the block ahead). A unit already
+        gathered, or sharded over one rank, copies nothing out."""
+        f = self.fsdp
+        if self.awaiting:
+            units = [f.root_bytes, *(b for b, p in zip(f.block_bytes, f.prefetched) if p)]
+            return [0], [(f.root_bytes + sum(f.block_bytes) + max(units), int(grad_before[0]))]
+        if kind == "F":
+            return [], []
+        last = len(f.block_bytes) - 1
+        gather_root = not self.root and f.root_bytes > 0
+        at: list[int] = []
+        instants: list[tuple[int, int]] = []
+        for k, nbytes in enumerate(f.block_bytes):
+            j = _position(ops, f.block_bwd[k][0])
+            if self.gathered[k] or not f.prefetched[k] or j is None:
+                continue
+            ahead = k > 0 and f.prefetched[k - 1] and not self.gathered[k - 1]  # prefetched after the copy-out
+            root_later = gather_root and k == last and not f.root_first  # gathered right after this block's
+            not_yet = (f.block_bytes[k - 1] if ahead else 0) + (f.root_bytes if root_later else 0)
+            at.append(j)
+            instants.append((int(param[j]) + nbytes - not_yet, int(grad_before[j])))
+        j = _position(ops, f.root_bwd_start)
+        if gather_root and j is not None:
+            blocks = sum(b for b, g in zip(f.block_bytes, self.gathered) if g)
+            if not f.root_first and last >= 0 and not self.gathered[last]:
+                blocks += f.block_bytes[last]  # copied out just before
+            at.append(j)
+            instants.append((2 * f.root_bytes + blocks, int(grad_before[j])))
+        order = np.argsort(at, kind="stable")
+        return [at[i] for i in order], [instants[i] for i in order]
+
+    def _forward_outputs(self, ops: np.ndarray) -> np.ndarray:
+        """The all-gather output a forward holds at each op: a unit gathered in forward keeps its
+        output until the next unit's copy-out, the last one until the root's forward ends
+        (FSDP2's all_gather_state); a unit gathered before the forward (UNSHARD, or kept) has none,
+        and a unit sharded over one rank copies its shard and holds none."""
+        f = self.fsdp
+        held = np.full(len(ops), 0 if self.root else f.root_bytes, dtype=np.int64)
+        for k in sorted(range(len(f.block_bytes)), key=lambda k: f.block_fwd[k][0]):  # in pre-forward order
+            if not self.gathered[k]:
+                held = np.where(ops >= f.block_fwd[k][0], f.block_bytes[k] if f.prefetched[k] else 0, held)
+        return held
 
     def held_bytes(self) -> tuple[int, int]:
         """(gathered parameter bytes, extra gradient bytes) held now."""

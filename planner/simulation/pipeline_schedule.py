@@ -57,6 +57,12 @@ class PipelineSchedule:
         default = len(self.compute(rank)) - 1
         return self.send_release[rank].get((stage, kind, microbatch), default) if self.send_release else default
 
+    def output_released_after(self, rank: int, stage: int, microbatch: int) -> int | None:
+        """Index in compute(rank) of the action after which a single-stage schedule's loop drops a
+        forward's output (it keeps the last in a local until the next forward returns); None where
+        the runtime drops it with the action (multi-stage schedules)."""
+        return self.send_release[rank].get((stage, "O", microbatch)) if self.send_release else None
+
     def stages(self, rank: int) -> tuple[int, ...]:
         """The stage indices rank `rank` computes, ascending."""
         return tuple(sorted({a.stage for a in self.actions[rank] if a.kind in COMPUTE_KINDS}))
@@ -118,10 +124,10 @@ class _StandInStage:
     def _record(self, kind: str, mb: int | None = None) -> None:
         self.calls.append(PipelineAction(self.stage_index, kind, mb))
 
-    def _send(self, kind: str, mb: int) -> list[_Send]:
+    def _send(self, kind: str, mb: int) -> list[_Held]:
         """A send request; when the schedule drops it, the compute actions run so far say where."""
         self._record(f"SEND_{kind}", mb)
-        send = _Send()
+        send = _Held()
         weakref.finalize(send, self._release, kind, mb)
         return [send]
 
@@ -148,8 +154,12 @@ class _StandInStage:
     def get_bwd_send_ops(self, mb: int) -> list:
         return [] if self.is_first else self._send("B", mb)
 
-    def forward_one_chunk(self, mb: int, *args, **kwargs) -> None:
+    def forward_one_chunk(self, mb: int, *args, **kwargs) -> _Held:
+        """Records the forward; its output, when the loop drops it, says where (kind "O")."""
         self._record("F", mb)
+        output = _Held()
+        weakref.finalize(output, self._release, "O", mb)
+        return output
 
     def backward_one_chunk(self, mb: int, loss=None, full_backward: bool = True, last_backward: bool = False) -> None:
         self._record("B" if full_backward else "I", mb)
@@ -164,8 +174,9 @@ class _StandInStage:
         pass
 
 
-class _Send:
-    """A stand-in send request (what ``P2POp`` is to a schedule: something it holds, then drops)."""
+class _Held:
+    """What a schedule's loop holds, then drops: a stand-in send request (what ``P2POp`` is to a
+    schedule) or a forward's output."""
 
     peer = 0
 

@@ -130,6 +130,9 @@ class StageMemory:
     optimizer_step_temporary: int
     param_shapes: tuple[tuple[int, ...], ...]
     fsdp: StageFsdp | None = None  # FSDP2's units and gradients on this stage (--zero 3 --dp > 1)
+    # the last stage's output, which its loss reads: freed by its backward, or later where the
+    # schedule's loop still holds it (PipelineSchedule.output_released_after)
+    loss_output: np.ndarray = field(default_factory=lambda: np.zeros(_NC, dtype=np.int64))
 
 
 def _readers(graph: OpGraph) -> dict[int, list[int]]:
@@ -330,6 +333,7 @@ def stage_programs(
                 optimizer_step_temporary=0 if config.cpu_offload else states.optimizer_step_temporary,
                 param_shapes=shapes,
                 fsdp=fsdp,
+                loss_output=placed.loss_output[c.index],
             )
         )
     return out
@@ -346,6 +350,7 @@ class _Placed:
     grad_sent_bytes: list[np.ndarray]
     programs: list[dict[str, _Program]]
     param_shapes: list[tuple[tuple[int, ...], ...]]
+    loss_output: list[np.ndarray]  # what the last stage's forward returns to the loss
 
     def plus(self, other: _Placed) -> _Placed:
         """Both placements together (of disjoint storages, on the same rows); the parameter shapes are `other`'s."""
@@ -356,6 +361,7 @@ class _Placed:
             [a + b for a, b in zip(self.grad_sent_bytes, other.grad_sent_bytes, strict=True)],
             [{k: p[k].plus(q[k]) for k in p} for p, q in zip(self.programs, other.programs, strict=True)],
             other.param_shapes,
+            [a + b for a, b in zip(self.loss_output, other.loss_output, strict=True)],
         )
 
 
@@ -408,6 +414,7 @@ def _place(
     per_microbatch = [np.zeros(_NC, dtype=np.int64) for _ in cuts]
     sent_bytes = [np.zeros(_NC, dtype=np.int64) for _ in cuts]
     grad_sent_bytes = [np.zeros(_NC, dtype=np.int64) for _ in cuts]
+    loss_output = [np.zeros(_NC, dtype=np.int64) for _ in cuts]
     progs = []
     for c in cuts:
         w = [i for i in bwd_ops[c.index] if i in weight_ops]
@@ -477,6 +484,7 @@ def _place(
                 sent_bytes[sa][CATEGORY_INDEX[t.category]] += z
             elif output:
                 backward_event(sa, TAIL, t.id, -z)
+                loss_output[sa][CATEGORY_INDEX[t.category]] += z
             elif freed_here and not in_bwd[f]:
                 progs[sa]["F"].add(f, t.category, -z)
             elif f is not None and not in_bwd[f] and all(stage_of[i] == sa for i in reads):
@@ -523,7 +531,9 @@ def _place(
     for p in progs:
         for prog in p.values():
             prog.settle()
-    return _Placed(persistent, per_microbatch, sent_bytes, grad_sent_bytes, progs, [tuple(p) for p in param_shapes])
+    return _Placed(
+        persistent, per_microbatch, sent_bytes, grad_sent_bytes, progs, [tuple(p) for p in param_shapes], loss_output
+    )
 
 
 def _place_effect(graph: OpGraph, cut: StageCut, e: StageEffect, p: dict[str, _Program], rows, backward_event) -> None:
@@ -605,13 +615,51 @@ def _send_frees(stages: list[StageMemory], schedule: PipelineSchedule, rank: int
     return dict(out)
 
 
-def _reduce_peak(states: list[StageFsdpState]) -> np.ndarray:
-    """The highest instant of the stages' REDUCE_GRAD, beyond the sharded gradients: each block (the
-    last first, the root last) reduce-scattered through an input buffer in the reduce dtype, its
-    unsharded gradients and gathered parameters freed after it."""
+_FSDP_COLUMNS = [CATEGORY_INDEX["parameter"], CATEGORY_INDEX["gradient"]]
+
+
+def _loop_holds(
+    graph: OpGraph, stages: list[StageMemory], schedule: PipelineSchedule, rank: int
+) -> dict[int, list[tuple[np.ndarray, int]]]:
+    """Action index -> (bytes, up to which op) a single-stage schedule's loop holds beyond the
+    programs: the last stage's output, which the loop keeps in a local until the next forward
+    returns (1F1B's last stage: through that forward, up to its loss), after its backward freed it."""
+    actions = schedule.compute(rank)
+    holds: dict[int, list[tuple[np.ndarray, int]]] = defaultdict(list)
+    backward = {(a.stage, a.microbatch): k for k, a in enumerate(actions) if a.kind in ("B", "W")}
+    loss_start = _loss_start(graph)
+    for a in actions:
+        nbytes = stages[a.stage].loss_output
+        released = schedule.output_released_after(rank, a.stage, a.microbatch) if a.kind == "F" else None
+        if released is None or not nbytes.any() or released <= backward.get((a.stage, a.microbatch), len(actions)):
+            continue
+        for k in range(backward[(a.stage, a.microbatch)] + 1, released + 1):
+            holds[k].append((nbytes, loss_start if k == released else len(graph.ops)))
+    return holds
+
+
+def _loss_start(graph: OpGraph) -> int:
+    """The first op of the loss (after every op when there is none)."""
+    if "loss_start" not in graph.derived:
+        graph.derived["loss_start"] = next((op.index for op in graph.ops if op.phase == "loss"), len(graph.ops))
+    return graph.derived["loss_start"]
+
+
+def _last_backward(actions: list[PipelineAction]) -> dict[int, int]:
+    """Stage -> the index of its last backward action (B, or W under a split backward)."""
+    return {a.stage: k for k, a in enumerate(actions) if a.kind in ("B", "W")}
+
+
+def _reduce_peak(states: list[StageFsdpState], reducing: list[StageFsdpState]) -> np.ndarray:
+    """The highest instant of REDUCE_GRAD of the stages `reducing`, beyond the sharded gradients and
+    what every stage of `states` holds: each block (the last first, the root last) reduce-scattered
+    through an input buffer in the reduce dtype, its unsharded gradients and gathered parameters
+    freed after it."""
     out = np.zeros(_NC, dtype=np.int64)
     held = [list(state.held_bytes()) for state in states]
     for i, state in enumerate(states):
+        if state not in reducing:
+            continue
         f = state.fsdp
         units = [*range(len(f.block_bytes) - 1, -1, -1), len(f.block_bytes)]  # blocks backward, then the root
         for u in units:
@@ -665,6 +713,12 @@ def replay_rank(
     frees = _send_frees(stages, schedule, rank)
     curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # program -> (bytes at its rows from its start, net)
     runtime = unshard_plan([a.stage for a in actions]) if fsdp and len(own) > 1 else None
+    # under FSDP2, REDUCE_GRAD right after a stage's last backward (torch's _add_reduce_grad), the rank's
+    # last at the end (a row each, also where the plans replay what a choice changes, without FSDP2)
+    sharded = config.zero_stage >= 3 and config.shard_ranks > 1
+    reduce_after = {k: s for s, k in _last_backward(actions).items() if sharded and k < len(actions) - 1}
+    reduce_rows: list[int] = []
+    holds = _loop_holds(graph, stages, schedule, rank)
     for k, act in enumerate(actions):
         if runtime is not None:  # the multi-stage runtime's RESHARD / UNSHARD before this action
             evict, fetch = runtime[k]
@@ -685,14 +739,35 @@ def replay_rank(
             live = base + curve
             if act.stage in fsdp:
                 others = [held for s, state in fsdp.items() if s != act.stage for held in [state.held_bytes()]]
-                param, grad = fsdp[act.stage].extras(act.kind, prog.ops)
-                live[:, CATEGORY_INDEX["parameter"]] += param + sum(h[0] for h in others)
-                live[:, CATEGORY_INDEX["gradient"]] += grad + sum(h[1] for h in others)
+                held = np.array([sum(h[0] for h in others), sum(h[1] for h in others)], dtype=np.int64)
+                extra = fsdp[act.stage].extras(act.kind, prog.ops)
+                live[:, _FSDP_COLUMNS] += np.stack([extra.parameter, extra.gradient], axis=1) + held
+                if len(extra.copy_out_at):  # the instant before an op, as FSDP2 copies a unit out, is that op's
+                    # row where it is higher (one row per op: the plans' replays without FSDP2 line up with it)
+                    at = extra.copy_out_at
+                    # after the op's frees (the tracer's free_op), before its outputs
+                    instants = base + curve[at] - np.maximum(prog.delta[at], 0)
+                    instants[:, _FSDP_COLUMNS] += extra.copy_out_bytes + held
+                    for j, instant in zip(at.tolist(), instants):
+                        if instant.sum() > live[j].sum():
+                            live[j] = instant
+            for nbytes, until in holds.get(k, ()):
+                live[prog.ops < until] += nbytes
             rows.append(live)
             op_index.append(prog.ops)
             action_of.extend([k] * len(prog.ops))
         base = base + net - frees.get(k, 0)
-    rows.append((base + _reduce_peak(list(fsdp.values())))[None, :])  # REDUCE_GRAD (the step's end without FSDP2)
+        if k in reduce_after:
+            state = fsdp.get(reduce_after[k])
+            reduce_rows.append(sum(len(r) for r in rows))
+            rows.append((base + _reduce_peak(list(fsdp.values()), [state] if state else []))[None, :])
+            op_index.append(prog.ops[-1:] if len(prog.ops) else np.array([len(graph.ops) - 1]))
+            action_of.append(k)
+            if state:
+                state.reduced()
+    reduce_rows.append(sum(len(r) for r in rows))
+    left = [state for s, state in fsdp.items() if s not in reduce_after.values()]
+    rows.append((base + _reduce_peak(list(fsdp.values()), left))[None, :])  # REDUCE_GRAD (the step's end without FSDP2)
     op_index.append(np.array([len(graph.ops) - 1]))
     action_of.append(len(actions) - 1)
     temp = np.zeros(_NC, dtype=np.int64)
@@ -705,7 +780,7 @@ def replay_rank(
     total = by_category.sum(axis=1)
     k = int(np.argmax(total))
     at = int(ops_idx[k])
-    op = graph.ops[at] if 0 <= at < len(graph.ops) and k != len(total) - 2 else None
+    op = graph.ops[at] if 0 <= at < len(graph.ops) and k not in reduce_rows else None
     phases = tuple(_phase_names(graph)[np.clip(ops_idx + 1, 0, len(graph.ops) + 1)].tolist())
     states = model_state_bytes(
         [sh for s in own for sh in s.param_shapes],
@@ -718,7 +793,7 @@ def replay_rank(
     timeline = Timeline(
         peak_bytes=int(total[k]),
         peak_phase=phases[k],
-        peak_op=op.name if op is not None else _end_name(at, k == len(total) - 2, len(graph.ops)),
+        peak_op=op.name if op is not None else _end_name(at, k in reduce_rows, len(graph.ops)),
         peak_module=op.module if op is not None else "",
         breakdown_at_peak={c: int(v) for c, v in zip(CATEGORIES, by_category[k])},
         model_states={"parameter": states.parameter, "gradient": states.gradient, "optimizer": states.optimizer},

@@ -181,6 +181,7 @@ def _diff(with_: list[StageMemory], without: list[StageMemory]) -> list[StageMem
             optimizer_step_temporary=0,
             param_shapes=(),
             fsdp=None,  # FSDP2's buffers do not depend on the choice: the base replay has them
+            loss_output=zero,
         )
         for a, b in zip(with_, without)
     ]
