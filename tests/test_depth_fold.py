@@ -178,6 +178,7 @@ def test_blocks_that_differ_by_depth_are_traced_whole(monkeypatch):
     assert same_graph(folded, full)
 
 
+@pytest.mark.slow  # 12 s; the fast tier folds llama's trace and traces TP ranks elsewhere
 def test_tensor_parallel_rank_trace_folds_exactly(monkeypatch):
     from planner.tracing.parallel.rank_trace import trace_tp_rank
 

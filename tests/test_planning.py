@@ -125,6 +125,7 @@ def test_disk_offload_lowers_measured_peak_as_predicted(name):
     assert_same_grads(spec, config, plan)
 
 
+@pytest.mark.slow  # 5-11 s; disk offload is applied and measured in the fast tier by test_offload.py
 @pytest.mark.parametrize("name", ["resnet"])
 def test_solver_disk_plan_at_sixty_percent(name):
     """With --offload disk allowed the solver's plan still fits when measured and keeps gradients."""
