@@ -58,7 +58,7 @@ def _assert_folds_exactly(monkeypatch, spec, layers: int, **kw):
     assert (a.peak_bytes, a.peak_op, a.breakdown_at_peak) == (b.peak_bytes, b.peak_op, b.breakdown_at_peak)
 
 
-@pytest.mark.parametrize("make", [_llama, _gpt], ids=["llama", "gpt"])
+@pytest.mark.parametrize("make", [_llama, pytest.param(_gpt, marks=pytest.mark.slow)], ids=["llama", "gpt"])
 def test_folded_trace_is_the_full_trace(monkeypatch, make):
     _assert_folds_exactly(monkeypatch, make(FOLD_MIN_RUN + 1), FOLD_MIN_RUN + 1)
 

@@ -193,6 +193,7 @@ def test_cli_what_binds(tmp_path, capsys):
     assert "raise --max-gpus" in line
 
 
+@pytest.mark.slow  # 4 s; test_pinned_degrees_are_kept keeps pinned degrees in the fast tier
 def test_cli_pinned_pp_searches_layouts_with_it(tmp_path, capsys):
     gpu = _small_gpu(tmp_path, 7 * MiB)
     out = tmp_path / "layouts.json"
