@@ -317,8 +317,7 @@ class StageFsdpState:
                 blocks += f.block_bytes[last]  # copied out just before
             at.append(j)
             instants.append((2 * f.root_bytes + blocks, int(grad_before[j])))
-        order = np.argsort(at, kind="stable")
-        return [at[i] for i in order], [instants[i] for i in order]
+        return at, instants
 
     def _forward_outputs(self, ops: np.ndarray) -> np.ndarray:
         """The all-gather output a forward holds at each op: a unit gathered in forward keeps its

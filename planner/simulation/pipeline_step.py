@@ -738,8 +738,9 @@ def replay_rank(
         if len(prog.ops):
             live = base + curve
             if act.stage in fsdp:
-                others = [held for s, state in fsdp.items() if s != act.stage for held in [state.held_bytes()]]
-                held = np.array([sum(h[0] for h in others), sum(h[1] for h in others)], dtype=np.int64)
+                # what the rank's other stages hold: (parameter, gradient) bytes
+                others = [state.held_bytes() for s, state in fsdp.items() if s != act.stage]
+                held = np.array(others, dtype=np.int64).reshape(-1, 2).sum(axis=0)
                 extra = fsdp[act.stage].extras(act.kind, prog.ops)
                 live[:, _FSDP_COLUMNS] += np.stack([extra.parameter, extra.gradient], axis=1) + held
                 if len(extra.copy_out_at):  # the instant before an op, as FSDP2 copies a unit out, is that op's
