@@ -1,4 +1,5 @@
-"""Shared fixtures: a per-session trace cache and small model files for spec-string tests."""
+"""Shared fixtures: the session's trace memo, a per-session trace cache and small model files for
+spec-string tests."""
 
 from __future__ import annotations
 
@@ -7,12 +8,35 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import trace_memo
+
+trace_memo.install()
 
 # The Ctrl-C tests need SIGINT to interrupt, here and in the processes they start. A shell that runs
 # the suite in the background (`make test &`, nohup) starts it with SIGINT ignored, which Python and
 # every child would keep; run as in the foreground instead (children then start with the default).
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "fresh_trace: traces afresh, past the session's trace memo (tests of tracing)")
+    if not hasattr(config, "workerinput"):  # the controlling process (or the only one)
+        config.trace_memo_folder = trace_memo.open_session_memo()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if hasattr(config, "trace_memo_folder"):
+        trace_memo.close_session_memo(config.trace_memo_folder)
+
+
+@pytest.fixture(autouse=True)
+def _trace_memo_for_this_test(request: pytest.FixtureRequest) -> None:
+    """The memo serves a test unless it patches something (its traces may differ) or asks to trace afresh."""
+    trace_memo.enabled = (
+        "monkeypatch" not in request.fixturenames and request.node.get_closest_marker("fresh_trace") is None
+    )
+
 
 _TRACES: dict = {}
 

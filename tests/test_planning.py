@@ -203,6 +203,7 @@ def test_optimal_overhead_beats_every_fitting_baseline(name, fraction):
         assert r.fits == (r.peak_bytes <= budget)
 
 
+@pytest.mark.fresh_trace
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_plans_are_deterministic(name):
     _, config = CONFIGS[name]

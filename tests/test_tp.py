@@ -43,6 +43,7 @@ def test_tp_shards_model_states_and_lists_every_rank():
     assert not dist.is_initialized()  # the fake process group is gone
 
 
+@pytest.mark.fresh_trace
 def test_fake_process_group_does_not_leak_into_later_traces():
     before = trace("llama-7b-tiny", batch_size=2, seq_len=64)
     simulate_ranks("llama-7b-tiny", TrainConfig(batch_size=2, seq_len=64, tp=2))

@@ -156,6 +156,7 @@ def test_attention_flops_counted(traced):
     assert abs(attn - expected) / expected < 0.10, (attn, expected)
 
 
+@pytest.mark.fresh_trace
 def test_trace_is_deterministic(traced):
     a = _graph(traced, "llama-7b-tiny")
     b = trace("llama-7b-tiny", batch_size=2, seq_len=32)
