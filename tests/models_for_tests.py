@@ -15,6 +15,7 @@ from planner.tracing.models import (
     GPTConfig,
     Llama,
     LlamaConfig,
+    lm_loss,
 )
 
 PATH = __file__
@@ -97,3 +98,40 @@ class TwoLayer(nn.Module):
 
 def two_layer(batch_size: int, seq_len: int):
     return TwoLayer(), (torch.randn(batch_size * seq_len, 64), torch.randint(0, 10, (batch_size * seq_len,)))
+
+
+class _TableBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x) + table)))  # the add saves no input
+
+
+class SharedTableNet(nn.Module):
+    """Blocks that all read one table made before them and saved by none (as some rotary
+    embeddings are): each checkpointed block holds it, and the table is one storage."""
+
+    def __init__(self, vocab: int = 64, width: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.register_buffer("freqs", torch.linspace(0.1, 1.0, width), persistent=False)
+        self.layers = nn.ModuleList(_TableBlock(width) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device, dtype=self.freqs.dtype)
+        table = torch.sin(positions[:, None] * self.freqs)
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x, table)
+        return lm_loss(self.head(self.norm(x)), targets)
+
+
+def shared_table(batch_size: int, seq_len: int):
+    """SharedTableNet: vocab 64, width 64, 4 blocks."""
+    return SharedTableNet(), _tokens(batch_size, seq_len, 64)

@@ -49,6 +49,7 @@ __all__ = [
     "Transfer",
     "ChoiceEffect",
     "storage_events",
+    "one_holder_each",
     "choice_effect",
     "choice_effects_at",
     "exposed_transfer_s",
@@ -297,6 +298,42 @@ class ChoiceEffect:
     recompute_flops: int
     recompute_s: float
     transfer: Transfer | None
+
+
+def one_holder_each(
+    moved: Sequence[frozenset[int]], events: Sequence[Sequence[Event]]
+) -> list[tuple[frozenset[int], list[Event]]]:
+    """Several choices' (moved storages, events) with each storage that more than one of them holds
+    described once: an input that several checkpointed spans hold (a table made before the blocks
+    and saved by none, as some rotary embeddings are) is one storage, live from its allocation to
+    the last of their frees. The first choice that holds it keeps it; the others let it go."""
+    counts: dict[int, int] = defaultdict(int)
+    for m in moved:
+        for tid in m:
+            counts[tid] += 1
+    shared = {tid for tid, n in counts.items() if n > 1}
+    for m, evs in zip(moved, events, strict=True):  # only a plain hold (one allocation, one free) merges
+        signs: dict[int, list[bool]] = defaultdict(list)
+        for ev in evs:
+            if ev.storage in shared and ev.storage in m:
+                signs[ev.storage].append(ev.nbytes >= 0)
+        shared -= {tid for tid, s in signs.items() if s != [True, False]}
+    if not shared:
+        return [(m, list(evs)) for m, evs in zip(moved, events, strict=True)]
+    last_free: dict[int, Event] = {}
+    for evs in events:
+        for ev in evs:
+            if ev.storage in shared and ev.nbytes < 0:
+                seen = last_free.get(ev.storage)
+                if seen is None or (ev.op, ev.stage) > (seen.op, seen.stage):
+                    last_free[ev.storage] = ev
+    out, held = [], set()
+    for m, evs in zip(moved, events, strict=True):
+        mine = {tid for tid in m & shared if tid not in held}
+        held |= mine
+        kept = [ev for ev in evs if ev.storage not in shared or (ev.storage in mine and ev.nbytes >= 0)]
+        out.append((m - (shared - mine), kept + [last_free[tid] for tid in sorted(mine)]))
+    return out
 
 
 def storage_events(graph: OpGraph, tid: int, nbytes: int) -> Iterator[Event]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -39,7 +39,15 @@ from costmodels.memory import get_precision, model_state_bytes
 from planner.config import TrainConfig
 from planner.errors import MemplanError
 from planner.simulation.costs import SCALED_CATEGORIES, StepCosts, op_times, storage_bytes
-from planner.simulation.effects import FREE, REPLAY, SAMPLE, ChoiceEffect, SpanChoice, choice_effects_at
+from planner.simulation.effects import (
+    FREE,
+    REPLAY,
+    SAMPLE,
+    ChoiceEffect,
+    SpanChoice,
+    choice_effects_at,
+    one_holder_each,
+)
 from planner.simulation.fsdp import state_shape
 from planner.simulation.memo import memo
 from planner.simulation.pipeline_fsdp import StageFsdp, StageFsdpState, stage_fsdp, unshard_plan
@@ -407,6 +415,12 @@ def _place(
     regions = sorted(graph.regions, key=lambda r: r.fwd_start)
     rows = replay_rows(effects) if rows is None else rows
     moved = set().union(*(e.moved for e in effects)) if effects else set()
+    effects = [
+        replace(e, moved=m, effect=replace(e.effect, events=tuple(events)))
+        for e, (m, events) in zip(
+            effects, one_holder_each([e.moved for e in effects], [e.effect.events for e in effects]), strict=True
+        )
+    ]
 
     fwd_ops = [range(c.fwd_start, c.fwd_end) for c in cuts]
     bwd_ops = [range(c.bwd_start, c.bwd_end) for c in cuts]

@@ -39,6 +39,7 @@ from planner.simulation.effects import (
     choice_effects_at,
     choices_from_decisions,
     exposed_transfer_s,
+    one_holder_each,
     storage_events,
 )
 from planner.simulation.fsdp import fsdp_buffers
@@ -246,8 +247,8 @@ def step_events(
                 slots[min(t.alloc_op + 1, last_op) + 1].append(
                     Event(min(t.alloc_op + 1, last_op), FREE, tid, -sizes[tid], t.category)
                 )
-    for e in effects:
-        for ev in e.events:
+    for _, events in one_holder_each([e.moved for e in effects], [e.events for e in effects]):
+        for ev in events:
             slots[ev.op + 1].append(ev)
     by_stage = attrgetter("stage")
     return [sorted(slot, key=by_stage) if len(slot) > 1 else slot for slot in slots]

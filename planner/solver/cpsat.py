@@ -683,7 +683,9 @@ def solve_choices(
     choices = tuple(o.choice for o in chosen if o.choice is not None)
     timeline = simulate(graph, config, choices=choices)
     model_peak = p.peak_bytes(picks)
-    assert timeline.peak_bytes == model_peak <= budget_bytes, (
+    # the model sums each choice's change: an input several chosen spans hold counts once per span
+    # there, once in the simulator (effects.one_holder_each), so the model may only be above it
+    assert timeline.peak_bytes <= model_peak <= budget_bytes, (
         f"the solver's model ({model_peak} B) and the simulator ({timeline.peak_bytes} B) disagree "
         f"on the plan's peak under a budget of {budget_bytes} B"
     )
