@@ -266,3 +266,29 @@ def test_auto_checkpoint_on_a_tensor_parallel_model_matches_gloo_ranks(layout):
     from tp_ranks import assert_auto_matches_plan
 
     assert_auto_matches_plan({"titan": TITAN, "hf-llama": HF_LLAMA}, _config(**layout), PLAN_FRACTION, TOLERANCE)
+
+
+HF_STABLELM = f"hf:{HERE / 'data' / 'tiny_stablelm' / 'config.json'}"  # ships no TP plan: memplan's shards it
+
+
+def test_memplan_plan_on_a_transformers_model_runs_without_sequence_parallel(capsys):
+    """StableLM calls its attention with keywords and reads its positions from the embedding's
+    output: memplan's plan shards it without sequence parallel, and says --no-sp where asked for it."""
+    code, _, err = run(
+        ["simulate", "--model", HF_STABLELM, "--batch-size", "2", "--seq-len", "64", "--tp", "2"], capsys
+    )
+    assert_user_error(code, err, "simulate", "--no-sp")
+    ranks = simulate_ranks(HF_STABLELM, _config(tp=2, sequence_parallel=False))
+    whole = simulate_ranks(HF_STABLELM, _config())
+    assert ranks.peak_bytes < whole.peak_bytes
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_memplan_plan_on_a_transformers_model_matches_gloo_ranks():
+    config = _config(tp=2, sequence_parallel=False)
+    want = _by_rank(simulate_ranks(HF_STABLELM, config))
+    peaks, grad_error = run_on_ranks([("stablelm", HF_STABLELM, config, None)], config.world_size)["stablelm"]
+    for w, got in zip(want, peaks):
+        assert abs(w - got) <= TOLERANCE * got, (w, got)
+    assert grad_error == 0.0

@@ -19,10 +19,12 @@ trace and on the real model of a verification run.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -67,7 +69,7 @@ _EMBEDDING = ("embed_tokens", "tok_embeddings")
 _FINAL_NORM = ("norm",)
 _HEAD = ("lm_head", "output")
 # Attributes holding a head count that a sharded attention must see as its local count.
-_HEAD_COUNTS = ("num_heads", "num_kv_heads", "n_heads", "n_kv_heads")
+_HEAD_COUNTS = ("num_heads", "num_kv_heads", "num_key_value_heads", "n_heads", "n_kv_heads")
 
 
 def _gathered(x, device_mesh: DeviceMesh) -> DTensor:
@@ -89,8 +91,19 @@ class _ReplicateFirstInput(ParallelStyle):
         return module
 
 
-def _gathered_forward(forward: Callable, device_mesh: DeviceMesh, x, *args, **kwargs):
-    return forward(_gathered(x, device_mesh), *args, **kwargs)
+def _first_input(forward: Callable, args: tuple, kwargs: dict) -> tuple[Any, Callable[[Any], Any]]:
+    """(a module's first input, `forward` called with it replaced), whether it came positionally or
+    by keyword (transformers' decoder layers call ``self_attn(hidden_states=...)``)."""
+    if args:
+        return args[0], lambda x: forward(x, *args[1:], **kwargs)
+    name = next(iter(inspect.signature(forward).parameters))
+    rest = {k: v for k, v in kwargs.items() if k != name}
+    return kwargs[name], lambda x: forward(**{name: x}, **rest)
+
+
+def _gathered_forward(forward: Callable, device_mesh: DeviceMesh, *args, **kwargs):
+    x, call = _first_input(forward, args, kwargs)
+    return call(_gathered(x, device_mesh))
 
 
 class _MoeLayerParallel(ParallelStyle):
@@ -110,10 +123,11 @@ class _MoeLayerParallel(ParallelStyle):
         return module
 
 
-def _moe_forward(forward: Callable, device_mesh: DeviceMesh, sequence_parallel: bool, x, *args, **kwargs):
+def _moe_forward(forward: Callable, device_mesh: DeviceMesh, sequence_parallel: bool, *args, **kwargs):
+    x, call = _first_input(forward, args, kwargs)
     if sequence_parallel or isinstance(x, DTensor):
         x = _gathered(x, device_mesh).to_local()
-    out = DTensor.from_local(forward(x, *args, **kwargs), device_mesh, (Partial(),), run_check=False)
+    out = DTensor.from_local(call(x), device_mesh, (Partial(),), run_check=False)
     return out.redistribute(placements=(Shard(1),) if sequence_parallel else (Replicate(),)).to_local()
 
 
@@ -122,6 +136,16 @@ def _child(module: nn.Module, names: tuple[str, ...]) -> tuple[str, nn.Module] |
         child = getattr(module, name, None)
         if isinstance(child, nn.Module):
             return name, child
+    return None
+
+
+def _outside_blocks(model: nn.Module, blocks: list[_Block], names: tuple[str, ...]) -> tuple[str, nn.Module] | None:
+    """The first module named one of `names` outside the decoder blocks, at any depth: a
+    transformers CausalLM keeps its embedding and final norm in ``model.model``, its head on top."""
+    inside = tuple(b.path + "." for b in blocks)
+    for path, module in model.named_modules():
+        if path.rpartition(".")[2] in names and not path.startswith(inside):
+            return path, module
     return None
 
 
@@ -216,16 +240,22 @@ def _memplan_plan(
     layer's experts are sharded here when `shard_experts` (else by the expert-parallel plan)."""
     tp = tp_mesh.size()
     blocks = decoder_blocks(model)
+    if sequence_parallel and type(model).__module__.startswith("transformers."):
+        raise SpecError(
+            f"sequence parallel shards the embedding's output over the sequence, and transformers' "
+            f"{type(model).__name__} reads the sequence length (its positions and mask) from it; pass --no-sp, or "
+            "--tp-plan PATH.py:FUNC with your own plan"
+        )
     for b in blocks:
         attention = model.get_submodule(f"{b.path}.{b.attention}")
         check_heads(f"{b.path}.{b.attention}", {a: getattr(attention, a, None) for a in _HEAD_COUNTS}, tp)
     seq = Shard(1)
     top: dict[str, ParallelStyle] = {}
-    if (emb := _child(model, _EMBEDDING)) is not None and isinstance(emb[1], nn.Embedding):
+    if (emb := _outside_blocks(model, blocks, _EMBEDDING)) is not None and isinstance(emb[1], nn.Embedding):
         top[emb[0]] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sequence_parallel else None)
-    if sequence_parallel and (norm := _child(model, _FINAL_NORM)) is not None:
+    if sequence_parallel and (norm := _outside_blocks(model, blocks, _FINAL_NORM)) is not None:
         top[norm[0]] = SequenceParallel()
-    if (head := _child(model, _HEAD)) is not None and isinstance(head[1], nn.Linear):
+    if (head := _outside_blocks(model, blocks, _HEAD)) is not None and isinstance(head[1], nn.Linear):
         top[head[0]] = ColwiseParallel(
             input_layouts=seq if sequence_parallel else Replicate(),
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
