@@ -20,6 +20,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from planner.tracing.recorder import FULL_TRACE_ENV
+
 MEMO_DIR_ENV = "MEMPLAN_TEST_TRACE_MEMO"  # the session's memo folder, made by the controlling process
 
 enabled = True  # set per test by the conftest fixture
@@ -67,7 +69,7 @@ def _memoised(original: Callable, key_of: Callable[..., tuple | None]) -> Callab
         key = key_of(*args, **kwargs) if enabled and folder else None
         if key is None:
             return original(*args, **kwargs)
-        full_key = repr((original.__qualname__, key, os.environ.get("MEMPLAN_FULL_TRACE")))
+        full_key = repr((original.__qualname__, key, os.environ.get(FULL_TRACE_ENV)))
         path = Path(folder) / hashlib.sha256(full_key.encode()).hexdigest()
         if path.exists():
             return pickle.loads(path.read_bytes())

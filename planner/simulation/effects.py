@@ -13,7 +13,7 @@ module's forward); this module resolves those names against an :class:`OpGraph`.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -307,10 +307,7 @@ def one_holder_each(
     described once: an input that several checkpointed spans hold (a table made before the blocks
     and saved by none, as some rotary embeddings are) is one storage, live from its allocation to
     the last of their frees. The first choice that holds it keeps it; the others let it go."""
-    counts: dict[int, int] = defaultdict(int)
-    for m in moved:
-        for tid in m:
-            counts[tid] += 1
+    counts = Counter(tid for m in moved for tid in m)
     shared = {tid for tid, n in counts.items() if n > 1}
     for m, evs in zip(moved, events, strict=True):  # only a plain hold (one allocation, one free) merges
         signs: dict[int, list[bool]] = defaultdict(list)
