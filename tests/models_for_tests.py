@@ -135,3 +135,27 @@ class SharedTableNet(nn.Module):
 def shared_table(batch_size: int, seq_len: int):
     """SharedTableNet: vocab 64, width 64, 4 blocks."""
     return SharedTableNet(), _tokens(batch_size, seq_len, 64)
+
+
+class DropoutAttentionNet(nn.Module):
+    """One causal self-attention layer whose SDPA call uses attention dropout (as GPT-2's does)."""
+
+    def __init__(self, vocab: int = 64, width: int = 64, heads: int = 4, dropout_p: float = 0.1) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.head = nn.Linear(width, vocab)
+        self.heads, self.dropout_p = heads, dropout_p
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        b, s, w = x.shape
+        q, k, v = (t.view(b, s, self.heads, w // self.heads).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        dropout_p = self.dropout_p if self.training else 0.0
+        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        return lm_loss(self.head(x + att.transpose(1, 2).reshape(b, s, w)), targets)
+
+
+def dropout_attention(batch_size: int, seq_len: int):
+    """DropoutAttentionNet: vocab 64, width 64, 4 heads, attention dropout 0.1."""
+    return DropoutAttentionNet(), _tokens(batch_size, seq_len, 64)

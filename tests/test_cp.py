@@ -170,6 +170,22 @@ def test_cli_json_lists_every_cp_rank_and_names_the_worst(capsys, tmp_path):
         (["simulate", "--model", "kwargs-tiny", "--seq-len", "64", "--cp", "2"], ("no attn_mask", "is_causal=True")),
         (
             [
+                "simulate",
+                "--model",
+                f"{HERE / 'models_for_tests.py'}:dropout_attention",
+                "--seq-len",
+                "64",
+                "--cp",
+                "2",
+            ],
+            ("no dropout", "dropout_p=0.1", "--gpu"),
+        ),
+        (  # fp32 on a GPU target: efficient attention, whose logsumexp is padded to 32 rows
+            ["simulate", "--model", "llama-7b-tiny", "--gpu", "h100-80gb", "--seq-len", "128", "--cp", "4"],
+            ("efficient-attention", "multiple of 64 x --cp", "bf16-mixed"),
+        ),
+        (
+            [
                 "plan",
                 "--model",
                 "llama-7b-tiny",

@@ -85,16 +85,39 @@ _MASKED = (
 )
 
 
+_MIXED = "got mixed torch.Tensor and DTensor"
+_DROPOUT = (
+    "context parallel on a CPU target runs ring attention over the CPU flash kernel, which has no dropout, and this "
+    "model's attention uses dropout_p={p}: set its attention dropout to 0 (transformers: attn_pdrop / "
+    "attention_dropout in the config) or simulate for a GPU (--gpu)"
+)
+
+
 def _refusing_masks(sdpa):
     """F.scaled_dot_product_attention as context_parallel patched it, refusing an attention mask
-    up front (torch would fail later, on a mask of the wrong local shape)."""
+    up front (torch would fail later, on a mask of the wrong local shape), and attention dropout where
+    SDPA would leave the ring for its math path (a CPU target: torch fails there on mixed tensors)."""
 
     def guarded(*args, **kwargs):
         if _argument(list(args), kwargs, 3, "attn_mask") is not None:
             raise TraceError(_MASKED)
-        return sdpa(*args, **kwargs)
+        try:
+            return sdpa(*args, **kwargs)
+        except RuntimeError as exc:
+            dropout_p = float(_argument(list(args), kwargs, 4, "dropout_p", 0.0))
+            if dropout_p > 0 and _MIXED in str(exc):
+                raise TraceError(_DROPOUT.format(p=dropout_p)) from exc
+            raise
 
     return guarded
+
+
+_EFFICIENT_CHUNKS = (
+    "torch's ring attention over the efficient-attention kernel (this GPU's kernel for fp32 attention) fails when a "
+    "rank's sequence chunks are not a multiple of 32 long (the kernel pads its logsumexp to 32 rows, and the ring's "
+    "merge cannot broadcast it; the real step fails the same way): use a --seq-len that is a multiple of 64 x --cp, "
+    "or --precision bf16-mixed (flash attention)"
+)
 
 
 def _counting(torch_handler, calls: RingAttentionCalls):
@@ -106,7 +129,12 @@ def _counting(torch_handler, calls: RingAttentionCalls):
             calls.backward += 1
         else:
             calls.forward += 1
-        return torch_handler(op_call, args, kwargs)
+        try:
+            return torch_handler(op_call, args, kwargs)
+        except RuntimeError as exc:
+            if "efficient" not in op_call.name() or "broadcast" not in str(exc):
+                raise
+            raise TraceError(_EFFICIENT_CHUNKS) from exc
 
     return handle
 
