@@ -159,3 +159,36 @@ class DropoutAttentionNet(nn.Module):
 def dropout_attention(batch_size: int, seq_len: int):
     """DropoutAttentionNet: vocab 64, width 64, 4 heads, attention dropout 0.1."""
     return DropoutAttentionNet(), _tokens(batch_size, seq_len, 64)
+
+
+class _ChannelsFirstBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, width, seq), a permuted view
+        y = self.mlp(self.norm(x.permute(0, 2, 1)))
+        return x + y.permute(0, 2, 1)  # as ConvNeXt's blocks: the result keeps the permuted layout
+
+
+class ChannelsFirstNet(nn.Module):
+    """Blocks that take and return a non-contiguous (batch, width, seq) feature map, as a vision
+    model's permutes leave it: what crosses a pipeline cut is not contiguous."""
+
+    def __init__(self, vocab: int = 64, width: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(_ChannelsFirstBlock(width) for _ in range(depth))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids).permute(0, 2, 1)
+        for layer in self.layers:
+            x = layer(x)
+        return lm_loss(self.head(x.permute(0, 2, 1)), targets)
+
+
+def channels_first(batch_size: int, seq_len: int):
+    """ChannelsFirstNet: vocab 64, width 64, 4 blocks."""
+    return ChannelsFirstNet(), _tokens(batch_size, seq_len, 64)

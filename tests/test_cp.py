@@ -180,6 +180,10 @@ def test_cli_json_lists_every_cp_rank_and_names_the_worst(capsys, tmp_path):
             ],
             ("no dropout", "dropout_p=0.1", "--gpu"),
         ),
+        (  # bidirectional attention: torch's load balancing refuses it, on a GPU target's kernel too
+            ["simulate", "--model", "bert-tiny", "--gpu", "h100-80gb", "--seq-len", "64", "--cp", "2"],
+            ("needs causal attention", "drop --cp"),
+        ),
         (  # fp32 on a GPU target: efficient attention, whose logsumexp is padded to 32 rows
             ["simulate", "--model", "llama-7b-tiny", "--gpu", "h100-80gb", "--seq-len", "128", "--cp", "4"],
             ("efficient-attention", "multiple of 64 x --cp", "bf16-mixed"),

@@ -172,6 +172,7 @@ def _traced_pipe(spec: str, config: TrainConfig, blocks_per_stage: tuple[int, ..
         ) from None
     if config.pp_schedule not in SINGLE_STAGE_SCHEDULES:  # torch's multi-stage runtime, whatever the stages per rank
         _relay_skipping_values(pipe.split_gm)
+    _contiguous_across_cuts(pipe.split_gm)
     _detach_constants(pipe, args, mb_kwargs, micro)
     # the step's inputs positionally, in the traced step's order: a multi-stage schedule hands its
     # keyword arguments to every stage of the rank, not only the first
@@ -243,6 +244,79 @@ def _relay_skipping_values(split_gm: torch.fx.GraphModule) -> None:
     relayed.output(torch.fx.map_arg(out_node.args[0], lambda _: node))
     split_gm.graph = relayed
     split_gm.recompile()
+
+
+class _Relaid(torch.autograd.Function):
+    """A received buffer, laid out contiguous in `order`, viewed in the layout the eager step had;
+    its gradient goes back contiguous in `order`, as the sender's gradient buffer is."""
+
+    @staticmethod
+    def forward(ctx, buffer: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+        ctx.order = order
+        return buffer.permute(tuple(order.index(d) for d in range(len(order))))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.permute(ctx.order).contiguous(), None
+
+
+def _relaid(buffer: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """:class:`_Relaid` as a function the stage graphs can call."""
+    return _Relaid.apply(buffer, order)
+
+
+def _dense_order(example: torch.Tensor) -> tuple[int, ...] | None:
+    """The dims in the order that makes `example` contiguous (a permuted view, as a vision model's
+    feature map), or None where no order does (an expanded mask, a strided slice)."""
+    order = tuple(sorted(range(example.dim()), key=lambda d: -example.stride(d)))
+    return order if example.permute(order).is_contiguous() else None
+
+
+def _contiguous_across_cuts(split_gm: torch.fx.GraphModule) -> None:
+    """Send every value that crosses a cut contiguous. Point-to-point sends and receives take
+    contiguous tensors only (gloo and NCCL alike), while the tracer cuts wherever the blocks begin.
+    A permuted view (a vision model's feature map) is sent as the permutation that makes it
+    contiguous, with no copy, and the receiver views it back in the eager step's layout (so its ops
+    run as they do there); anything else not contiguous (an expanded attention mask) is copied."""
+    stages = [n for n in split_gm.graph.nodes if n.op == "call_module"]
+    for k, stage in enumerate(stages):
+        submod = split_gm.get_submodule(stage.target)
+        graph = submod.graph
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        for node, value in zip(placeholders, stage.args):
+            example = node.meta.get("val")
+            if value.op == "placeholder" or not isinstance(example, torch.Tensor) or example.is_contiguous():
+                continue
+            order = _dense_order(example)
+            if order is None:
+                node.meta["val"] = example.contiguous()
+                continue
+            node.meta["val"] = example.permute(order)
+            with graph.inserting_after(placeholders[-1]):
+                relaid = graph.call_function(_relaid, (node, order))
+            relaid.meta["val"] = example
+            node.replace_all_uses_with(relaid, delete_user_cb=lambda user, r=relaid: user is not r)
+        if k < len(stages) - 1:
+            returned, results = _returned(graph)
+            sent = tuple(_sendable(graph, returned, r) for r in results)
+            returned.args = (sent if isinstance(returned.args[0], (tuple, list)) else sent[0],)
+        submod.recompile()
+
+
+def _sendable(graph: torch.fx.Graph, returned: torch.fx.Node, result):
+    """A stage's output as it can be sent: itself where contiguous, else its contiguous permutation
+    (no copy) or a contiguous copy."""
+    example = result.meta.get("val") if isinstance(result, torch.fx.Node) else None
+    if not isinstance(example, torch.Tensor) or example.is_contiguous():
+        return result
+    order = _dense_order(example)
+    with graph.inserting_before(returned):
+        if order is None:
+            node, value = graph.call_method("contiguous", (result,)), example.contiguous()
+        else:
+            node, value = graph.call_method("permute", (result, order)), example.permute(order)
+    node.meta["val"] = value
+    return node
 
 
 def _returned(graph: torch.fx.Graph) -> tuple[torch.fx.Node, tuple]:

@@ -85,39 +85,59 @@ _MASKED = (
 )
 
 
-_MIXED = "got mixed torch.Tensor and DTensor"
+_OFF_RING = (
+    "scaled_dot_product_attention ran without ring attention under --cp: torch chose its math kernel for this "
+    "call, which would gather the whole sequence on every rank"
+)
 _DROPOUT = (
     "context parallel on a CPU target runs ring attention over the CPU flash kernel, which has no dropout, and this "
     "model's attention uses dropout_p={p}: set its attention dropout to 0 (transformers: attn_pdrop / "
     "attention_dropout in the config) or simulate for a GPU (--gpu)"
 )
-
-
-def _refusing_masks(sdpa):
-    """F.scaled_dot_product_attention as context_parallel patched it, refusing an attention mask
-    up front (torch would fail later, on a mask of the wrong local shape), and attention dropout where
-    SDPA would leave the ring for its math path (a CPU target: torch fails there on mixed tensors)."""
-
-    def guarded(*args, **kwargs):
-        if _argument(list(args), kwargs, 3, "attn_mask") is not None:
-            raise TraceError(_MASKED)
-        try:
-            return sdpa(*args, **kwargs)
-        except RuntimeError as exc:
-            dropout_p = float(_argument(list(args), kwargs, 4, "dropout_p", 0.0))
-            if dropout_p > 0 and _MIXED in str(exc):
-                raise TraceError(_DROPOUT.format(p=dropout_p)) from exc
-            raise
-
-    return guarded
-
-
+_NOT_CAUSAL = (
+    "context parallel's load-balanced ring attention needs causal attention (is_causal=True), and torch refuses this "
+    "model's ({reason}); drop --cp for this model"
+)
 _EFFICIENT_CHUNKS = (
     "torch's ring attention over the efficient-attention kernel (this GPU's kernel for fp32 attention) fails when a "
     "rank's sequence chunks are not a multiple of 32 long (the kernel pads its logsumexp to 32 rows, and the ring's "
     "merge cannot broadcast it; the real step fails the same way): use a --seq-len that is a multiple of 64 x --cp, "
     "or --precision bf16-mixed (flash attention)"
 )
+
+
+def _ring_refusal(op_call, exc: RuntimeError) -> TraceError | None:
+    """What torch's ring attention refusing `op_call` means for the user, where memplan knows."""
+    message = str(exc)
+    if "is_causal" in message:
+        return TraceError(_NOT_CAUSAL.format(reason=message.splitlines()[0]))
+    if "efficient" in op_call.name() and "broadcast" in message:
+        return TraceError(_EFFICIENT_CHUNKS)
+    return None
+
+
+def _guarded(sdpa, calls: RingAttentionCalls):
+    """F.scaled_dot_product_attention as context_parallel patched it, refusing an attention mask
+    up front (torch would fail later, on a mask of the wrong local shape), and a call that does not
+    reach ring attention (torch's math kernel, which a CPU target takes for attention dropout)."""
+
+    def guarded(*args, **kwargs):
+        if _argument(list(args), kwargs, 3, "attn_mask") is not None:
+            raise TraceError(_MASKED)
+        dropout_p = float(_argument(list(args), kwargs, 4, "dropout_p", 0.0))
+        off_ring = TraceError(_DROPOUT.format(p=dropout_p) if dropout_p > 0 else _OFF_RING)
+        forward_calls = calls.forward
+        try:
+            out = sdpa(*args, **kwargs)
+        except RuntimeError as exc:
+            if "mixed torch.Tensor and DTensor" in str(exc):  # the math kernel on the sharded q, k, v
+                raise off_ring from exc
+            raise
+        if calls.forward == forward_calls:
+            raise off_ring
+        return out
+
+    return guarded
 
 
 def _counting(torch_handler, calls: RingAttentionCalls):
@@ -132,9 +152,10 @@ def _counting(torch_handler, calls: RingAttentionCalls):
         try:
             return torch_handler(op_call, args, kwargs)
         except RuntimeError as exc:
-            if "efficient" not in op_call.name() or "broadcast" not in str(exc):
+            refusal = _ring_refusal(op_call, exc)
+            if refusal is None:
                 raise
-            raise TraceError(_EFFICIENT_CHUNKS) from exc
+            raise refusal from exc
 
     return handle
 
@@ -182,12 +203,10 @@ def _ring_handler(calls: RingAttentionCalls):
                     scale=scale,
                 )
         except (NotImplementedError, RuntimeError) as exc:
-            if "is_causal" not in str(exc):
+            refusal = _ring_refusal(op_call, exc)
+            if refusal is None:
                 raise
-            raise TraceError(
-                "context parallel's load-balanced ring attention needs causal attention (is_causal=True), "
-                f"and torch refuses this model's: {str(exc).splitlines()[0]}"
-            ) from exc
+            raise refusal from exc
         return tuple(DTensor(t, _shard_spec(t, mesh), requires_grad=t.requires_grad) for t in results)
 
     return handle
@@ -222,7 +241,7 @@ def context_parallel_step(
             handle = _ring_handler(calls)
             counted = {op: _counting(h, calls) for op, h in handlers.items() if op in _TORCH_RING_OPS}
             dispatcher._custom_op_handlers = {**handlers, **counted, _FORWARD: handle, _BACKWARD: handle}
-            F.scaled_dot_product_attention = _refusing_masks(patched)
+            F.scaled_dot_product_attention = _guarded(patched, calls)
             try:
                 yield calls
             finally:
