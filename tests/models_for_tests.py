@@ -192,3 +192,49 @@ class ChannelsFirstNet(nn.Module):
 def channels_first(batch_size: int, seq_len: int):
     """ChannelsFirstNet: vocab 64, width 64, 4 blocks."""
     return ChannelsFirstNet(), _tokens(batch_size, seq_len, 64)
+
+
+class _SquaredTanh(torch.autograd.Function):
+    """tanh(x)², saving only its input (as Bloom's GeLU saves only its input)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return torch.tanh(x) ** 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(x)
+        return grad * 2 * t * (1 - t * t)
+
+
+class _FunctionBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(_SquaredTanh.apply(self.up(x)))
+
+
+class CustomFunctionNet(nn.Module):
+    """Blocks whose activation is a custom autograd Function."""
+
+    def __init__(self, vocab: int = 64, width: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(_FunctionBlock(width) for _ in range(depth))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return lm_loss(self.head(x), targets)
+
+
+def custom_function(batch_size: int, seq_len: int):
+    """CustomFunctionNet: vocab 64, width 64, 4 blocks."""
+    return CustomFunctionNet(), _tokens(batch_size, seq_len, 64)

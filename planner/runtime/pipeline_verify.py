@@ -398,6 +398,29 @@ def _has_submodule(module: nn.Module, path: str) -> bool:
     return True
 
 
+def _custom_autograd_functions(spec: str, config: TrainConfig, seed: int) -> list[str]:
+    """The custom ``torch.autograd.Function`` classes one eager microbatch of the model runs
+    (Bloom's GeLU, for one), by the names of their backward nodes."""
+    torch.manual_seed(seed)
+    model, inputs = resolve_spec(spec).build(batch_size=config.batch_size, seq_len=config.seq_len)
+    model.to(get_precision(config.precision).param_dtype)
+    disable_kv_cache(model)
+    model.train()
+    args, kwargs = _split_inputs(inputs)
+    micro = config.batch_size // config.num_microbatches
+    loss = _Step(model)(*_microbatch(args, micro), **dict(zip(kwargs, _microbatch(kwargs.values(), micro))))
+    names, seen, todo = set(), set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            names.add(type(node).__name__.removesuffix("Backward"))
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return sorted(names)
+
+
 def _measure_worker(rank: int, world_size: int, payload: tuple, queue) -> None:
     """One rank of the pipeline (of its data-parallel replica): build its stages, run the schedule,
     report its lowest peak."""
@@ -457,6 +480,14 @@ def measure_pipeline_on_gloo_ranks(
         raise MemplanError(
             f"verify --pp --dp {config.dp} runs FSDP2 on the data-parallel ranks, as torchtitan shards a "
             "pipeline; add --zero 3"
+        )
+    functions = _custom_autograd_functions(spec, config, seed)
+    if functions:
+        raise MemplanError(
+            f"the model runs custom autograd Functions ({', '.join(functions)}), which torch's pipeline tracer "
+            "(torch.export) inlines into their forward's ops: the traced stages would save what those ops save, "
+            "not what the Functions save, and measure another step than the one simulated; verify its stages "
+            "with your own stage modules (docs/pipeline.md)"
         )
     payload = (spec, config, tuple(blocks_per_stage), plan, seed)
     measured = dict(run_on_gloo_ranks(_measure_worker, config.world_size, payload, timeout_s))

@@ -311,18 +311,19 @@ def solve_pipeline(
                     f"the solver found no plan for pp rank {r} within --time-limit {time_limit_s:g}s ({status}); "
                     "raise --time-limit"
                 )
-            least = _least(base, deltas)
+            # a re-solve's tighter budget leaves room for what the replay holds beyond the model
+            least = int(_least(base, deltas).max()) + budget_bytes - solve_budget
             raise InfeasibleBudget(
                 f"budget {format_bytes(budget_bytes)} is infeasible for pp rank {r} (stages "
                 f"{','.join(map(str, sorted(own)))}, {baseline.in_flight[r]} microbatches in flight): the smallest "
-                f"peak memplan reaches there is {format_bytes(int(least.max()))}"
+                f"peak memplan reaches there is {format_bytes(least)}"
                 + (
                     f" ({schedule.name} splits the backward of stages past the first: they recompute nothing)"
                     if own & schedule.split_stages
                     else ""
                 )
                 + "; raise --budget, add stages (--pp), or cut model states (--precision bf16-mixed, --zero 3 --dp N)",
-                smallest_peak_bytes=int(least.max()),
+                smallest_peak_bytes=least,
             )
         chosen = [(options[b][k], effects[b][k]) for b, k in zip(blocks, picks) if k < len(options[b])]
         modelled = base + sum((deltas[i][k] for i, k in enumerate(picks) if deltas[i][k] is not None), 0)
