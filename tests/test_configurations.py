@@ -93,3 +93,28 @@ def test_gpu_counts_are_the_smallest_that_fit(report):
                 ),
             )
             assert smaller.peak_bytes > BUDGET or c.plan
+
+
+def test_host_offload_needs_its_states_to_fit_in_a_gpus_share_of_host_memory(monkeypatch):
+    """On one GPU at half the budget only host offload with a plan fits the GPU. Its offloaded
+    states must also fit a GPU's share of host memory (fit recommended 1.85 TiB of host memory per
+    GPU for llama-405b on 2 H100s); where only host memory binds, the recommendation line says so."""
+    import planner.analysis.configurations as configurations
+    from planner.cli.report import configurations_table
+
+    def search():
+        return cheapest_configuration(graph, CONFIG, BUDGET // 2, max_gpus=1, time_limit_s=2.0, micro_batches=0)
+
+    free = search()
+    best = free.recommended
+    assert best is not None and best.cpu_offload and best.plan and best.host_bytes > 0
+    monkeypatch.setattr(configurations, "HOST_MEMORY_BYTES_PER_GPU", best.host_bytes)
+    assert search().recommended == best  # a limit it meets
+    monkeypatch.setattr(configurations, "HOST_MEMORY_BYTES_PER_GPU", best.host_bytes - 1)
+    bound = search()
+    assert bound.recommended is None or bound.recommended.host_bytes < best.host_bytes
+    assert all(not c.fits for c in bound.configurations if c.host_bytes >= best.host_bytes)
+    monkeypatch.setattr(configurations, "HOST_MEMORY_BYTES_PER_GPU", 0)
+    none = search()
+    assert none.recommended is None
+    assert "host offload fits the GPU on 1 GPU but needs" in configurations_table(none, 5).splitlines()[-1]

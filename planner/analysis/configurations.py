@@ -22,9 +22,10 @@ from planner.solver.baselines import strategy_choices
 from planner.solver.planning import solve
 from planner.tracing.graph import OpGraph
 
-__all__ = ["Configuration", "ConfigurationReport", "cheapest_configuration"]
+__all__ = ["HOST_MEMORY_BYTES_PER_GPU", "Configuration", "ConfigurationReport", "cheapest_configuration"]
 
 GROWTH_STEPS = 1  # powers of two tried above the smallest GPU count that fits
+HOST_MEMORY_BYTES_PER_GPU = 256 * 2**30  # a DGX H100/H200's 2 TiB of host memory shared by 8 GPUs
 
 
 @dataclass(frozen=True)
@@ -100,10 +101,10 @@ class _Evaluator:
         if plan:
             timeline = self._planned(config)
             overhead = 0.0 if timeline is None else timeline.costs.overhead
-        fits = timeline is not None and timeline.peak_bytes <= self.budget
+        host_bytes = self._host_bytes(config)
+        fits = timeline is not None and timeline.peak_bytes <= self.budget and host_bytes <= HOST_MEMORY_BYTES_PER_GPU
         timeline = timeline or bare
         micro_s = timeline.costs.step_s + (host_offload_s(self.graph, config) if cpu_offload else 0.0)
-        host = host_states(self.graph, config) if cpu_offload else None
         step_s = micro_s * accumulation
         tokens_per_gpu = batch_per_gpu * config.seq_len
         rate = tokens_per_gpu / step_s if step_s > 0 else 0.0
@@ -116,7 +117,7 @@ class _Evaluator:
             accumulation=accumulation,
             fits=fits,
             peak_bytes=timeline.peak_bytes,
-            host_bytes=0 if host is None else host.parameter + host.gradient + host.optimizer,
+            host_bytes=host_bytes,
             step_s=step_s,
             tokens_per_s_per_gpu=rate,
             gpu_hours_per_million_tokens=1e6 / (rate * 3600) if rate else float("inf"),
@@ -124,9 +125,19 @@ class _Evaluator:
         )
 
     def fits(self, gpus: int, optimizer: str, cpu_offload: bool, plan: bool) -> bool:
-        """Cheap test: without a plan by simulation, with a plan by full recompute."""
+        """Cheap test: without a plan by simulation, with a plan by full recompute; host offload's
+        states within a GPU's share of host memory."""
         config = _sharded(self.base, gpus, optimizer, cpu_offload)
+        if self._host_bytes(config) > HOST_MEMORY_BYTES_PER_GPU:
+            return False
         return self._simulate(config, full_recompute=plan).peak_bytes <= self.budget
+
+    def _host_bytes(self, config: TrainConfig) -> int:
+        """Model states this GPU's rank keeps in host memory (host offload; else 0)."""
+        if not config.cpu_offload:
+            return 0
+        host = host_states(self.graph, config)
+        return host.parameter + host.gradient + host.optimizer
 
     def _simulate(self, config: TrainConfig, full_recompute: bool) -> Timeline:
         """The step without a plan or with every block recomputed, once per configuration."""

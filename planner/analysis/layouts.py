@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from costmodels.hardware import DeviceSpec, get_device
 from costmodels.memory import get_precision
 from costmodels.runtime import peak_flops_per_s
+from planner.analysis.configurations import HOST_MEMORY_BYTES_PER_GPU
 from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget, MemplanError, SolverTimeout, TraceError
 from planner.simulation.costs import model_states_for
@@ -56,7 +57,6 @@ __all__ = [
 ]
 
 DEFAULT_GLOBAL_BATCH_TOKENS = 4 * 2**20  # about 4M tokens per optimizer step, as Llama 2 and 3 pretrain
-HOST_MEMORY_BYTES_PER_GPU = 256 * 2**30  # a DGX H100/H200's 2 TiB of host memory shared by 8 GPUs
 TENSOR_PARALLEL = (1, 2, 4, 8, 16)  # degrees tried, up to the GPUs of one node
 SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2))  # (schedule, stages per rank) tried for pp > 1
 RECOMPUTE = ("none", "selective", "full")  # tried in this order; the first that fits is kept

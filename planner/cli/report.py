@@ -262,6 +262,24 @@ def configurations_table(report: ConfigurationReport, max_rows: int) -> str:
     lines.append(
         f"recommended: {best.label} ({best.gpu_hours_per_million_tokens:.3g} GPU-hours per million tokens)"
         if best
-        else "recommended: none fits; raise --max-gpus, shorten the sequence or the batch"
+        else f"recommended: none fits{_host_bound(report)}; raise --max-gpus, shorten the sequence or the batch"
     )
     return "\n".join(lines)
+
+
+def _host_bound(report: ConfigurationReport) -> str:
+    """' (host offload fits the GPU on 8 GPUs but needs ...)' where only host memory binds, else ''."""
+    from planner.analysis.configurations import HOST_MEMORY_BYTES_PER_GPU
+
+    held = [
+        c
+        for c in report.configurations
+        if c.cpu_offload and c.peak_bytes <= report.budget_bytes and c.host_bytes > HOST_MEMORY_BYTES_PER_GPU
+    ]
+    if not held:
+        return ""
+    least = min(held, key=lambda c: c.host_bytes)
+    return (
+        f" (host offload fits the GPU on {least.gpus} GPU{'s' if least.gpus > 1 else ''} but needs "
+        f"{format_bytes(least.host_bytes)} of host memory per GPU, more than {format_bytes(HOST_MEMORY_BYTES_PER_GPU)})"
+    )
