@@ -2,7 +2,9 @@
 
 - ``auto``: the model's own plan where it ships one (a transformers model whose config carries
   ``base_model_tp_plan``: transformers' own ``apply_tensor_parallelism`` applies it), else
-  memplan's for the decoder blocks it recognises, laid out as torchtitan does: embeddings
+  memplan's for the blocks it recognises (separate q/k/v and output projections, a gated or plain
+  MLP: memplan's Llama, torchtitan, Hugging Face Llama, OPT, GPT-Neo, BERT, ViT), laid out as
+  torchtitan does: embeddings
   rowwise with sequence-sharded output, norms ``SequenceParallel``, q/k/v and w1/w3 colwise, o
   and w2 rowwise with sequence-sharded output, head colwise; a torchtitan-style mixture-of-experts
   layer gathers its input whole, keeps its router replicated, runs its shared expert column- then
@@ -55,21 +57,23 @@ __all__ = [
 
 TpPlan = Callable[[nn.Module, DeviceMesh], object]
 
-# Child names of the pieces memplan recognises (its own Llama, torchtitan, Hugging Face Llama).
-_ATTENTION = ("attn", "attention", "self_attn")
-_QKV = (("q_proj", "k_proj", "v_proj"), ("wq", "wk", "wv"))
-_OUT = ("o_proj", "wo")
+# Child names of the pieces memplan recognises (its own Llama, torchtitan, Hugging Face Llama, OPT,
+# GPT-Neo, BERT and ViT).
+_QKV = (("q_proj", "k_proj", "v_proj"), ("wq", "wk", "wv"), ("query", "key", "value"))
+_OUT = ("o_proj", "wo", "out_proj", "dense")
 _MLP = ("mlp", "feed_forward")
 _MOE = ("moe", "mlp", "feed_forward")  # a mixture-of-experts layer in the MLP's place (torchtitan: moe)
 _SHARED = ("shared_experts", "shared_expert")
-_UP = (("gate_proj", "up_proj"), ("w1", "w3"))
-_DOWN = ("down_proj", "w2")
+_UP = (("gate_proj", "up_proj"), ("w1", "w3"), ("up_proj",), ("fc1",), ("c_fc",))
+_DOWN = ("down_proj", "w2", "fc2", "c_proj")
+# (up, down) on the block itself: OPT's fc1 / fc2, BERT's and ViT's intermediate / output.
+_BLOCK_FEED_FORWARDS = ((("fc1",), "fc2"), (("intermediate.dense",), "output.dense"))
 _NORMS = (("attn_norm", "mlp_norm"), ("attention_norm", "ffn_norm"), ("input_layernorm", "post_attention_layernorm"))
-_EMBEDDING = ("embed_tokens", "tok_embeddings")
+_EMBEDDING = ("embed_tokens", "tok_embeddings", "wte", "word_embeddings")
 _FINAL_NORM = ("norm",)
 _HEAD = ("lm_head", "output")
 # Attributes holding a head count that a sharded attention must see as its local count.
-_HEAD_COUNTS = ("num_heads", "num_kv_heads", "num_key_value_heads", "n_heads", "n_kv_heads")
+_HEAD_COUNTS = ("num_heads", "num_kv_heads", "num_key_value_heads", "n_heads", "n_kv_heads", "num_attention_heads")
 
 
 def _gathered(x, device_mesh: DeviceMesh) -> DTensor:
@@ -151,8 +155,11 @@ def _outside_blocks(model: nn.Module, blocks: list[_Block], names: tuple[str, ..
 
 @dataclass(frozen=True)
 class _Block:
-    """One recognised decoder block: the child names of its attention, MLP (or mixture-of-experts
-    layer: `experts` set, `up` / `down` those of its shared expert, if any) and norms."""
+    """One recognised decoder block: the paths, relative to it, of its attention (the module that
+    holds the head counts), q/k/v and output projections, its MLP (or mixture-of-experts layer:
+    `experts` set, `up` / `down` those of its shared expert, if any; "" where the block holds its
+    projections itself) with its up and down projections, and its two norms (None where not
+    recognised: no sequence parallel there)."""
 
     path: str
     attention: str
@@ -161,16 +168,33 @@ class _Block:
     mlp: str
     up: tuple[str, ...]
     down: str
-    norms: tuple[str, str]
+    norms: tuple[str, str] | None
     experts: str | None = None
-    shared: str | None = None
 
 
-def _feed_forward(module: nn.Module) -> tuple[tuple[str, ...], str] | None:
-    """(up, down) Linear child names of a gated feed-forward module."""
-    up = next((names for names in _UP if all(isinstance(getattr(module, n, None), nn.Linear) for n in names)), None)
-    down = _child(module, _DOWN)
-    return (up, down[0]) if up is not None and down is not None and isinstance(down[1], nn.Linear) else None
+def _linears(module: nn.Module, paths: tuple[str, ...]) -> bool:
+    """Whether every dotted path under `module` is an nn.Linear."""
+    return all(isinstance(_at(module, p), nn.Linear) for p in paths)
+
+
+def _at(module: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _joined(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def _feed_forward(module: nn.Module, prefix: str = "") -> tuple[tuple[str, ...], str] | None:
+    """(up, down) Linear paths, under `prefix`, of a feed-forward module (gated or not)."""
+    up = next((names for names in _UP if _linears(module, names)), None)
+    down = next((name for name in _DOWN if _linears(module, (name,))), None)
+    if up is None or down is None:
+        return None
+    return tuple(_joined(prefix, n) for n in up), _joined(prefix, down)
 
 
 def _moe_layer(block: nn.Module) -> tuple[str, nn.Module] | None:
@@ -183,27 +207,54 @@ def _moe_layer(block: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
+def _attention(block: nn.Module) -> tuple[str, tuple[str, ...], str] | None:
+    """(attention path, q/k/v paths, output projection path) within a block: the first module, the
+    block's child or grandchild, with q/k/v Linear children; its output projection is its own child
+    or, as BERT and ViT lay it out, ``output.dense`` beside it."""
+    for path, module in block.named_modules():
+        if not path or path.count(".") > 1:
+            continue
+        qkv = next((names for names in _QKV if _linears(module, names)), None)
+        if qkv is None:
+            continue
+        parent = path.rpartition(".")[0]
+        outs = [_joined(path, name) for name in _OUT] + ([_joined(parent, "output.dense")] if parent else [])
+        out = next((o for o in outs if _linears(block, (o,))), None)
+        if out is None or not _only_projections(block, path, (*(_joined(path, n) for n in qkv), out)):
+            return None
+        return path, tuple(_joined(path, n) for n in qkv), out
+    return None
+
+
+def _only_projections(block: nn.Module, attention: str, projections: tuple[str, ...]) -> bool:
+    """Whether the attention's parameters are its projections' and its norms' only: per-head
+    parameters (Swin's relative position bias table) would need sharding this plan does not do."""
+    for name, _ in block.get_submodule(attention).named_parameters():
+        path = _joined(attention, name)
+        if not path.startswith(tuple(p + "." for p in projections)) and "norm" not in name.lower():
+            return False
+    return True
+
+
 def _recognise_block(path: str, block: nn.Module) -> _Block | None:
-    attn = _child(block, _ATTENTION)
+    attention = _attention(block)
+    if attention is None:
+        return None
     norms = next((pair for pair in _NORMS if all(isinstance(getattr(block, n, None), nn.Module) for n in pair)), None)
-    if attn is None or norms is None:
-        return None
-    qkv = next((names for names in _QKV if all(isinstance(getattr(attn[1], n, None), nn.Linear) for n in names)), None)
-    out = _child(attn[1], _OUT)
-    if qkv is None or out is None:
-        return None
     if (moe := _moe_layer(block)) is not None:
         shared = _child(moe[1], _SHARED)
-        ffn = _feed_forward(shared[1]) if shared is not None else None
+        ffn = _feed_forward(shared[1], _joined(moe[0], shared[0])) if shared is not None else None
         if shared is not None and ffn is None:
             return None
         up, down = ffn or ((), "")
-        return _Block(path, attn[0], qkv, out[0], moe[0], up, down, norms, "experts", shared and shared[0])
+        return _Block(path, *attention, moe[0], up, down, norms, _joined(moe[0], "experts"))
     mlp = _child(block, _MLP)
-    ffn = _feed_forward(mlp[1]) if mlp is not None else None
-    if ffn is None:
-        return None
-    return _Block(path, attn[0], qkv, out[0], mlp[0], *ffn, norms)
+    if mlp is not None and (ffn := _feed_forward(mlp[1], mlp[0])) is not None:
+        return _Block(path, *attention, mlp[0], *ffn, norms)
+    for up, down in _BLOCK_FEED_FORWARDS:
+        if _linears(block, (*up, down)):
+            return _Block(path, *attention, "", up, down, norms)
+    return None
 
 
 def decoder_blocks(model: nn.Module) -> list[_Block]:
@@ -263,22 +314,26 @@ def _memplan_plan(
         )
     for b in blocks:
         plan: dict[str, ParallelStyle] = {}
-        for name in b.qkv:
-            plan[f"{b.attention}.{name}"] = ColwiseParallel()
+        for path in b.qkv:
+            plan[path] = ColwiseParallel()
         out_layout = seq if sequence_parallel else None
-        plan[f"{b.attention}.{b.out}"] = RowwiseParallel(output_layouts=out_layout)
-        ffn = b.mlp if b.experts is None else f"{b.mlp}.{b.shared}" if b.shared else None
-        for name in b.up if ffn else ():
-            plan[f"{ffn}.{name}"] = ColwiseParallel()
-        if ffn:  # a shared expert's output is the layer's partial sum, reduced with the experts'
-            plan[f"{ffn}.{b.down}"] = RowwiseParallel(output_layouts=out_layout if b.experts is None else Partial())
+        plan[b.out] = RowwiseParallel(output_layouts=out_layout)
+        for path in b.up:
+            plan[path] = ColwiseParallel()
+        if b.down:  # a shared expert's output is the layer's partial sum, reduced with the experts'
+            plan[b.down] = RowwiseParallel(output_layouts=out_layout if b.experts is None else Partial())
         if b.experts is not None:
             plan[b.mlp] = _MoeLayerParallel(sequence_parallel)
-            experts = f"{b.path}.{b.mlp}.{b.experts}"
+            experts = f"{b.path}.{b.experts}"
             if shard_experts:
                 hidden = expert_hidden_dims(model.get_submodule(experts), experts)
-                plan[f"{b.mlp}.{b.experts}"] = GroupedExpertsTensorParallel(hidden)
+                plan[b.experts] = GroupedExpertsTensorParallel(hidden)
         if sequence_parallel:
+            if b.norms is None or not b.mlp:
+                raise SpecError(
+                    f"sequence parallel runs a block's norms on sequence shards, and memplan does not recognise the "
+                    f"norms and MLP of {b.path}; pass --no-sp, or --tp-plan PATH.py:FUNC with your own plan"
+                )
             plan[b.norms[0]] = SequenceParallel()
             plan[b.norms[1]] = SequenceParallel()
             plan[b.attention] = _ReplicateFirstInput()
