@@ -384,3 +384,15 @@ def test_memplan_plan_on_other_transformers_layouts_matches_gloo_ranks():
         peaks, grad_error = measured[key]
         assert all(abs(w - got) <= TOLERANCE * got for w, got in zip(want, peaks)), (key, want, peaks)
         assert grad_error == 0.0, key
+
+
+def test_a_bias_added_to_sharded_logits_says_no_loss_parallel(capsys):
+    """BART adds a plain bias to its logits, which loss parallel leaves sharded: the trace error says
+    to try --no-loss-parallel, and with it BART's encoder and decoder blocks shard (the decoder's
+    self-attention; its cross-attention stays replicated)."""
+    argv = ["simulate", "--model", f"hf:{HERE / 'data' / 'bart_tiny' / 'config.json'}", "--seq-len", "32"]
+    argv += ["--batch-size", "2", "--tp", "2", "--no-sp"]
+    code, _, err = run(argv, capsys)
+    assert_user_error(code, err, "simulate", "--no-loss-parallel", "--tp-plan PATH.py:FUNC")
+    code, _, err = run([*argv, "--no-loss-parallel"], capsys)
+    assert code == 0, err

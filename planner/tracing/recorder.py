@@ -101,6 +101,11 @@ def _hint(exc: Exception) -> str:
     code refusing the inputs memplan built."""
     if type(exc).__module__.startswith(("torch._subclasses", "torch.fx.experimental")):
         return "memplan needs ops with static output shapes (no .item()/.nonzero() on data, no data-dependent control flow)"
+    if "mixed torch.Tensor and DTensor" in str(exc):
+        return (
+            "the tensor-parallel plan leaves a plain tensor meeting a sharded one in this op (e.g. a bias added to "
+            "vocabulary-sharded logits): try --no-loss-parallel, or give your own plan with --tp-plan PATH.py:FUNC"
+        )
     return (
         "check that --batch-size and --seq-len suit the model (a vision model's --seq-len is its image side), "
         "or trace it from a spec that builds its own inputs"
