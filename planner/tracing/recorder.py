@@ -55,6 +55,7 @@ __all__ = [
 ]
 
 FULL_TRACE_ENV = "MEMPLAN_FULL_TRACE"  # "1": trace every block (no depth folding), to check a fold or time one
+MIXED_DTENSOR = "got mixed torch.Tensor and DTensor"  # DTensor refusing an op on a plain and a sharded tensor
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -101,7 +102,7 @@ def _hint(exc: Exception) -> str:
     code refusing the inputs memplan built."""
     if type(exc).__module__.startswith(("torch._subclasses", "torch.fx.experimental")):
         return "memplan needs ops with static output shapes (no .item()/.nonzero() on data, no data-dependent control flow)"
-    if "mixed torch.Tensor and DTensor" in str(exc):
+    if MIXED_DTENSOR in str(exc):
         return (
             "the tensor-parallel plan leaves a plain tensor meeting a sharded one in this op (e.g. a bias added to "
             "vocabulary-sharded logits): try --no-loss-parallel, or give your own plan with --tp-plan PATH.py:FUNC"

@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Shard
 import memplan_compat
 from memplan_compat import tree_leaves
 from planner.errors import TraceError
+from planner.tracing.recorder import MIXED_DTENSOR
 
 __all__ = ["RingAttentionCalls", "context_parallel_step", "sequence_buffers"]
 
@@ -130,7 +131,7 @@ def _guarded(sdpa, calls: RingAttentionCalls):
         try:
             out = sdpa(*args, **kwargs)
         except RuntimeError as exc:
-            if "mixed torch.Tensor and DTensor" in str(exc):  # the math kernel on the sharded q, k, v
+            if MIXED_DTENSOR in str(exc):  # the math kernel on the sharded q, k, v
                 raise off_ring from exc
             raise
         if calls.forward == forward_calls:
