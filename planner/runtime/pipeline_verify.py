@@ -400,7 +400,8 @@ def _has_submodule(module: nn.Module, path: str) -> bool:
 
 def _custom_autograd_functions(spec: str, config: TrainConfig, seed: int) -> list[str]:
     """The custom ``torch.autograd.Function`` classes one eager microbatch of the model runs
-    (Bloom's GeLU, for one), by the names of their backward nodes."""
+    (Bloom's GeLU, for one), by the names of their backward nodes; none where the eager step
+    fails here (the ranks then report why, in one line)."""
     torch.manual_seed(seed)
     model, inputs = resolve_spec(spec).build(batch_size=config.batch_size, seq_len=config.seq_len)
     model.to(get_precision(config.precision).param_dtype)
@@ -408,7 +409,10 @@ def _custom_autograd_functions(spec: str, config: TrainConfig, seed: int) -> lis
     model.train()
     args, kwargs = _split_inputs(inputs)
     micro = config.batch_size // config.num_microbatches
-    loss = _Step(model)(*_microbatch(args, micro), **dict(zip(kwargs, _microbatch(kwargs.values(), micro))))
+    try:
+        loss = _Step(model)(*_microbatch(args, micro), **dict(zip(kwargs, _microbatch(kwargs.values(), micro))))
+    except Exception:  # the model's own failure, whatever its type: the ranks run it again and say why
+        return []
     names, seen, todo = set(), set(), [loss.grad_fn]
     while todo:
         node = todo.pop()
