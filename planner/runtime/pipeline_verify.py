@@ -137,16 +137,24 @@ def _recv_buffers(stage) -> list[torch.Tensor]:
     return [b for i in infos if isinstance(b := getattr(i, "buffer", None), torch.Tensor)]
 
 
-def _traced_pipe(spec: str, config: TrainConfig, blocks_per_stage: tuple[int, ...], seed: int):
-    """(torch's pipeline tracer's stages of the step, the step's inputs as positional arguments, the
-    model's block paths)."""
-    from torch.distributed.pipelining import SplitPoint, pipeline
-
+def _training_model(spec: str, config: TrainConfig, seed: int) -> tuple[nn.Module, tuple, dict, int]:
+    """(the model in training mode at the config's precision, the step's positional and keyword
+    inputs, the microbatch size), built from `seed`."""
     torch.manual_seed(seed)
     model, inputs = resolve_spec(spec).build(batch_size=config.batch_size, seq_len=config.seq_len)
     model.to(get_precision(config.precision).param_dtype)
     disable_kv_cache(model)
     model.train()
+    args, kwargs = _split_inputs(inputs)
+    return model, args, kwargs, config.batch_size // config.num_microbatches
+
+
+def _traced_pipe(spec: str, config: TrainConfig, blocks_per_stage: tuple[int, ...], seed: int):
+    """(torch's pipeline tracer's stages of the step, the step's inputs as positional arguments, the
+    model's block paths)."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    model, args, kwargs, micro = _training_model(spec, config, seed)
     blocks = find_region_paths(model, config.blocks)
     if len(blocks) != sum(blocks_per_stage):
         raise MemplanError(
@@ -155,8 +163,6 @@ def _traced_pipe(spec: str, config: TrainConfig, blocks_per_stage: tuple[int, ..
         )
     firsts = [sum(blocks_per_stage[:k]) for k in range(1, len(blocks_per_stage))]
     split_spec = {f"model.{blocks[i]}": SplitPoint.BEGINNING for i in firsts}
-    args, kwargs = _split_inputs(inputs)
-    micro = config.batch_size // config.num_microbatches
     mb_kwargs = dict(zip(kwargs, _microbatch(kwargs.values(), micro)))
     try:
         with warnings.catch_warnings():
@@ -265,11 +271,13 @@ def _relaid(buffer: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     return _Relaid.apply(buffer, order)
 
 
-def _dense_order(example: torch.Tensor) -> tuple[int, ...] | None:
-    """The dims in the order that makes `example` contiguous (a permuted view, as a vision model's
-    feature map), or None where no order does (an expanded mask, a strided slice)."""
+def _sent_layout(example: torch.Tensor) -> tuple[tuple[int, ...] | None, torch.Tensor]:
+    """How a value that is not contiguous crosses a cut: (the dims in the order that makes it
+    contiguous, a permuted view as a vision model's feature map; or None where no order does, an
+    expanded mask or a strided slice, which is copied) and the example of what is sent."""
     order = tuple(sorted(range(example.dim()), key=lambda d: -example.stride(d)))
-    return order if example.permute(order).is_contiguous() else None
+    sent = example.permute(order)
+    return (order, sent) if sent.is_contiguous() else (None, example.contiguous())
 
 
 def _contiguous_across_cuts(split_gm: torch.fx.GraphModule) -> None:
@@ -287,11 +295,9 @@ def _contiguous_across_cuts(split_gm: torch.fx.GraphModule) -> None:
             example = node.meta.get("val")
             if value.op == "placeholder" or not isinstance(example, torch.Tensor) or example.is_contiguous():
                 continue
-            order = _dense_order(example)
+            order, node.meta["val"] = _sent_layout(example)
             if order is None:
-                node.meta["val"] = example.contiguous()
                 continue
-            node.meta["val"] = example.permute(order)
             with graph.inserting_after(placeholders[-1]):
                 relaid = graph.call_function(_relaid, (node, order))
             relaid.meta["val"] = example
@@ -309,13 +315,14 @@ def _sendable(graph: torch.fx.Graph, returned: torch.fx.Node, result):
     example = result.meta.get("val") if isinstance(result, torch.fx.Node) else None
     if not isinstance(example, torch.Tensor) or example.is_contiguous():
         return result
-    order = _dense_order(example)
+    order, sent = _sent_layout(example)
     with graph.inserting_before(returned):
-        if order is None:
-            node, value = graph.call_method("contiguous", (result,)), example.contiguous()
-        else:
-            node, value = graph.call_method("permute", (result, order)), example.permute(order)
-    node.meta["val"] = value
+        node = (
+            graph.call_method("contiguous", (result,))
+            if order is None
+            else graph.call_method("permute", (result, order))
+        )
+    node.meta["val"] = sent
     return node
 
 
@@ -402,13 +409,7 @@ def _custom_autograd_functions(spec: str, config: TrainConfig, seed: int) -> lis
     """The custom ``torch.autograd.Function`` classes one eager microbatch of the model runs
     (Bloom's GeLU, for one), by the names of their backward nodes; none where the eager step
     fails here (the ranks then report why, in one line)."""
-    torch.manual_seed(seed)
-    model, inputs = resolve_spec(spec).build(batch_size=config.batch_size, seq_len=config.seq_len)
-    model.to(get_precision(config.precision).param_dtype)
-    disable_kv_cache(model)
-    model.train()
-    args, kwargs = _split_inputs(inputs)
-    micro = config.batch_size // config.num_microbatches
+    model, args, kwargs, micro = _training_model(spec, config, seed)
     try:
         loss = _Step(model)(*_microbatch(args, micro), **dict(zip(kwargs, _microbatch(kwargs.values(), micro))))
     except Exception:  # the model's own failure, whatever its type: the ranks run it again and say why

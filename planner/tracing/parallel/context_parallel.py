@@ -117,6 +117,13 @@ def _ring_refusal(op_call, exc: RuntimeError) -> TraceError | None:
     return None
 
 
+def _off_ring(args: tuple, kwargs: dict) -> TraceError:
+    """The refusal of an SDPA call that did not reach ring attention: attention dropout, where it
+    has some, is why."""
+    dropout_p = float(_argument(list(args), kwargs, 4, "dropout_p", 0.0))
+    return TraceError(_DROPOUT.format(p=dropout_p) if dropout_p > 0 else _OFF_RING)
+
+
 def _guarded(sdpa, calls: RingAttentionCalls):
     """F.scaled_dot_product_attention as context_parallel patched it, refusing an attention mask
     up front (torch would fail later, on a mask of the wrong local shape), and a call that does not
@@ -125,17 +132,15 @@ def _guarded(sdpa, calls: RingAttentionCalls):
     def guarded(*args, **kwargs):
         if _argument(list(args), kwargs, 3, "attn_mask") is not None:
             raise TraceError(_MASKED)
-        dropout_p = float(_argument(list(args), kwargs, 4, "dropout_p", 0.0))
-        off_ring = TraceError(_DROPOUT.format(p=dropout_p) if dropout_p > 0 else _OFF_RING)
         forward_calls = calls.forward
         try:
             out = sdpa(*args, **kwargs)
         except RuntimeError as exc:
             if MIXED_DTENSOR in str(exc):  # the math kernel on the sharded q, k, v
-                raise off_ring from exc
+                raise _off_ring(args, kwargs) from exc
             raise
         if calls.forward == forward_calls:
-            raise off_ring
+            raise _off_ring(args, kwargs)
         return out
 
     return guarded

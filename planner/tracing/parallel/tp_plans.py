@@ -4,15 +4,15 @@
   ``base_model_tp_plan``: transformers' own ``apply_tensor_parallelism`` applies it), else
   memplan's for the blocks it recognises (separate q/k/v and output projections, a gated or plain
   MLP: memplan's Llama, torchtitan, Hugging Face Llama, OPT, GPT-Neo, BERT, ViT), laid out as
-  torchtitan does: embeddings
-  rowwise with sequence-sharded output, norms ``SequenceParallel``, q/k/v and w1/w3 colwise, o
-  and w2 rowwise with sequence-sharded output, head colwise; a torchtitan-style mixture-of-experts
-  layer gathers its input whole, keeps its router replicated, runs its shared expert column- then
-  row-parallel and its experts with the hidden dimension sharded (or leaves them to the
-  expert-parallel plan), and reduce-scatters its partial output. With loss parallel (torchtitan's
-  default) the logits stay sharded over the vocabulary and the step runs under torch's
-  ``loss_parallel()`` (:func:`step_context`); without it they are gathered whole. Without
-  sequence parallel the norms stay replicated and row-parallel outputs are all-reduced.
+  torchtitan does: embeddings rowwise with sequence-sharded output, norms ``SequenceParallel``,
+  q/k/v and w1/w3 colwise, o and w2 rowwise with sequence-sharded output, head colwise; a
+  torchtitan-style mixture-of-experts layer gathers its input whole, keeps its router replicated,
+  runs its shared expert column- then row-parallel and its experts with the hidden dimension
+  sharded (or leaves them to the expert-parallel plan), and reduce-scatters its partial output.
+  With loss parallel (torchtitan's default) the logits stay sharded over the vocabulary and the
+  step runs under torch's ``loss_parallel()`` (:func:`step_context`); without it they are gathered
+  whole. Without sequence parallel the norms stay replicated and row-parallel outputs are
+  all-reduced.
 - ``PATH.py:FUNC`` / ``package.module:FUNC``: the user's ``FUNC(model, tp_mesh)``.
 
 A plan is a callable ``plan(model, tp_mesh)``; the same one runs on the fake-tensor model of the
