@@ -82,6 +82,27 @@ def test_early_checkpoint_gives_the_gradients_of_no_checkpoint(ahead):
     assert call._saved is not None and all(t is None for t in call._saved)  # each dropped once read
 
 
+@pytest.mark.parametrize("read_once", [True, False])
+def test_a_checkpoint_and_what_it_recomputed_die_with_its_graph(read_once):
+    """What a recompute made is kept detached (as torch's checkpoint keeps it): its own graph, whose
+    nodes hold the recompute's hook, must not keep the checkpoint alive. Before, a recompute whose
+    tensors were held (read_once=False, a split backward) or never all read outlived its step."""
+    import gc
+    import weakref
+
+    model, x = _model().eval(), torch.randn(4, 16, requires_grad=True)
+    call = EarlyCheckpoint(model, model.forward, (x,), {}, read_once=read_once)
+    out = call.forward((x,), {})
+    call.recompute()
+    ref = weakref.ref(call)
+    del call
+    gc.collect()
+    assert ref() is not None  # the graph still needs it
+    del out
+    gc.collect()
+    assert ref() is None
+
+
 def test_early_queue_recomputes_the_oldest_forward_still_waiting():
     model = _model().eval()
     x = torch.randn(4, 16, requires_grad=True)
@@ -147,7 +168,7 @@ def test_uniform_checkpointing_recomputes_in_backward_where_the_recipe_runs_it_s
     graph = trace(f"{P.PATH}:titan_llama", batch_size=1, seq_len=128)
     cfg = TrainConfig(batch_size=4, seq_len=128, pp=2, pp_schedule="1f1b", microbatches=4)
     full = tuple(strategy_choices(graph, "full"))
-    early, late = simulate_pipeline(graph, cfg, full), simulate_pipeline(graph, cfg, full, recompute_early=False)
+    early, late = simulate_pipeline(graph, cfg, full), simulate_pipeline(graph, cfg, full, memplan_runtime=False)
     assert early.time.hidden_recompute_s[0] > 0 and not any(late.time.hidden_recompute_s)
     assert late.time.step_s > early.time.step_s and late.peak_bytes == early.peak_bytes
 

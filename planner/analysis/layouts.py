@@ -325,7 +325,7 @@ class _Search:
                 step = data_parallel_step_time(graph, config, timeline, self.device)
             else:
                 # a uniform level runs as the recipe launches it: torchtitan's checkpointing, in backward
-                pipeline = simulate_pipeline(graph, config, choices, recompute_early=False)
+                pipeline = simulate_pipeline(graph, config, choices, memplan_runtime=False)
                 peak = pipeline.peak_bytes
                 step = repeated(pipeline_step_time(graph, config, pipeline, self.device, choices), accumulation)
         except (MemplanError, ValueError):  # a schedule torch refuses for this shape

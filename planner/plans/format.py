@@ -374,6 +374,9 @@ class StagePlan:
     # modules (whole-model paths) whose recompute runs while the stage waits for a backward's
     # gradient, before that backward (planner.runtime.early_recompute); the rest recompute in it
     early_recompute: tuple[str, ...] = ()
+    # the schedule splits this stage's backward into I then W (zero-bubble schedules, stages past
+    # the first): its modules recompute whole, once in I, and hold what they make until W
+    split_backward: bool = False
 
 
 @dataclass(frozen=True)
@@ -421,6 +424,12 @@ class StagePlans:
                     f"stage {s.stage}'s plan names module {outside[0]!r}, which is not in its blocks; re-plan with "
                     "memplan plan --pp"
                 )
+            selective = [d.module for d in s.plan.decisions if d.op is not None and d.action == "keep"]
+            if s.split_backward and selective:
+                raise PlanFileError(
+                    f"stage {s.stage}'s backward is split (I then W), where a module recomputes whole, but its plan "
+                    f"recomputes {selective[0]!r} selectively; re-plan with memplan plan --pp"
+                )
         _validate(self.to_dict(), "stage plans")
 
     @property
@@ -450,6 +459,7 @@ class StagePlans:
                     "blocks": list(s.blocks),
                     "plan": s.plan.to_dict(),
                     **({"early_recompute": list(s.early_recompute)} if s.early_recompute else {}),
+                    **({"split_backward": True} if s.split_backward else {}),
                 }
                 for s in self.stages
             ],
@@ -515,6 +525,7 @@ def _stages(d: Mapping[str, Any]) -> StagePlans:
                 tuple(s["blocks"]),
                 _plan(s["plan"]),
                 tuple(s.get("early_recompute", ())),
+                s.get("split_backward", False),
             )
             for s in d["stages"]
         ),

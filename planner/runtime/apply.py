@@ -222,9 +222,12 @@ class PlanHandle:
         ladder: PlanLadder | None,
         spill_dir: str | Path | None,
         early: frozenset[str] = frozenset(),
+        split_backward: bool = False,
     ) -> None:
         self.model = model
         self._early = early  # recomputed ahead of their backward (planner.runtime.early_recompute)
+        # a pipeline stage whose backward runs as I then W: recompute once, in I, held until W
+        self._split_backward = split_backward
         self.early_queue: EarlyQueue | None = EarlyQueue() if early else None
         self.ladder = ladder
         self._by_bucket = {s: module_plans(p.decisions) for s, p in plans.items()}
@@ -403,8 +406,8 @@ class PlanHandle:
     ) -> Any:
         """Whole-module, selective (keeping `mp.keep_ops`) or child recompute: one checkpoint, whose
         recompute leaves the module's buffers as its forward did (ForwardBuffers)."""
-        if path in self._early and not mp.keep_ops and torch.is_grad_enabled():
-            return self._recompute_early(path, original, args, kwargs)
+        if (path in self._early or self._split_backward) and not mp.keep_ops and torch.is_grad_enabled():
+            return self._recompute_own(path, original, args, kwargs)
         fn = functools.partial(original, **kwargs) if kwargs else original
         options: dict[str, Any] = {"use_reentrant": False}
         if mp.keep_ops:
@@ -418,20 +421,23 @@ class PlanHandle:
         self._written[key] = self._written.get(key, frozenset()) | buffers.written()
         return out
 
-    def _recompute_early(
+    def _recompute_own(
         self, path: str, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        """A whole-module recompute that :func:`planner.runtime.early_recompute.recompute_in_bubbles`
-        may run before the backward (else the backward runs it), buffers restored as in _recompute."""
-        assert self.early_queue is not None
+        """A whole-module recompute by memplan's checkpoint (:class:`EarlyCheckpoint`), buffers
+        restored as in _recompute: one :func:`planner.runtime.early_recompute.recompute_in_bubbles`
+        may run before the backward (else the backward runs it), or, on a stage whose backward is
+        split, one that runs once in I and holds what it makes until W."""
         slots = self._buffer_slots[path]
         fn, buffers, key = original, None, None
         if slots:
             key = (path, tuple(owner.training for owner, _ in slots))
             buffers = ForwardBuffers(slots, self._written.get(key))
             fn = buffers.wrap(original)
-        call = EarlyCheckpoint(self._originals[path][0], fn, args, kwargs)
-        self.early_queue.add(path, call)
+        call = EarlyCheckpoint(self._originals[path][0], fn, args, kwargs, read_once=not self._split_backward)
+        if path in self._early:
+            assert self.early_queue is not None
+            self.early_queue.add(path, call)
         out = call.forward(args, kwargs)
         if buffers is not None:
             self._written[key] = self._written.get(key, frozenset()) | buffers.written()
@@ -540,9 +546,9 @@ def apply_plan(
     if isinstance(plan, StagePlans):
         from planner.runtime.stage_plans import stage_plan_for_module
 
-        plan, early = stage_plan_for_module(model, plan, stage)
+        plan, early, split_backward = stage_plan_for_module(model, plan, stage)
     else:
-        early = frozenset()
+        early, split_backward = frozenset(), False
     if isinstance(plan, CompiledPlan):
         check_plan_matches(plan, model)
         from planner.runtime.compiled import compile_blocks  # torch.compile's stack, only when a compiled plan runs
@@ -561,7 +567,7 @@ def apply_plan(
         )
     for p in plans.values():
         check_plan_matches(p, model)
-    handle = PlanHandle(model, plans, ladder, spill_dir, early)
+    handle = PlanHandle(model, plans, ladder, spill_dir, early, split_backward)
     try:
         handle._install()
     except BaseException:

@@ -6,7 +6,11 @@ non-reentrant checkpoint saves (the inputs; every tensor autograd saves inside i
 again by running the forward once more, on the same random state and autocast settings) and
 recomputes either when :meth:`EarlyCheckpoint.recompute` is called or, if it was not, when the
 backward first needs a tensor. Each recomputed tensor is dropped once the backward has read it,
-and the recompute stops at the last tensor autograd saves, as torch's does.
+and the recompute stops at the last tensor autograd saves, as torch's does. Under a split backward
+(zero-bubble schedules: I computes the input gradients, then W calls autograd once per weight
+group) the same tensor is read in I and again in W, and torch's checkpoint would recompute in every
+one of those calls; with ``read_once=False`` the recompute runs once, in I, and what it made is held
+until autograd frees the stage's graph at the end of W.
 
 :func:`recompute_in_bubbles` calls it where memplan's pipeline plans put it
 (:mod:`planner.simulation.pipeline_early`): a stage that waits for a microbatch's gradient first
@@ -54,8 +58,11 @@ def _detached(value: Any) -> Any:
 class EarlyCheckpoint:
     """One checkpointed call of `fn(*args, **kwargs)` whose recompute may run before its backward."""
 
-    def __init__(self, module: nn.Module, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    def __init__(
+        self, module: nn.Module, fn: Callable[..., Any], args: tuple, kwargs: dict, read_once: bool = True
+    ) -> None:
         self.module = module
+        self._read_once = read_once  # False: held until the graph is freed (a split backward reads twice)
         self._fn = fn
         self._args = tuple(_detached(a) for a in args)
         self._kwargs = {k: _detached(v) for k, v in kwargs.items()}
@@ -93,7 +100,9 @@ class EarlyCheckpoint:
         saved: list[torch.Tensor | None] = []
 
         def pack(t: torch.Tensor) -> None:
-            saved.append(t)
+            # detached, as torch's checkpoint keeps them: the recompute's own graph (whose nodes hold
+            # this hook, and through it `saved`) must not be reachable from what is kept
+            saved.append(t.detach() if t.requires_grad else t)
             if len(saved) == self._count:
                 raise _Stop
 
@@ -127,7 +136,8 @@ class EarlyCheckpoint:
         t = self._saved[index]
         if t is None:
             raise MemplanError("a recomputed tensor was read twice; run the backward once per forward")
-        self._saved[index] = None  # the backward holds it from here on
+        if self._read_once:
+            self._saved[index] = None  # the backward holds it from here on
         return t
 
 

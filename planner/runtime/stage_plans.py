@@ -30,9 +30,10 @@ def _rooted(path: str, names: set[str]) -> str | None:
     return None
 
 
-def stage_plan_for_module(module: nn.Module, plans: StagePlans, stage: int | None) -> tuple[Plan, frozenset[str]]:
+def stage_plan_for_module(module: nn.Module, plans: StagePlans, stage: int | None) -> tuple[Plan, frozenset[str], bool]:
     """The plan of pipeline stage `stage`, with its module paths on `module` (a stage module or the
-    whole model), and the modules it recomputes early (StagePlan.early_recompute), on `module` too.
+    whole model), the modules it recomputes early (StagePlan.early_recompute), on `module` too, and
+    whether the stage's backward is split (StagePlan.split_backward).
     Raises PlanFileError when `stage` is missing or the module lacks the stage's blocks."""
     if stage is None:
         raise PlanFileError(
@@ -59,4 +60,4 @@ def stage_plan_for_module(module: nn.Module, plans: StagePlans, stage: int | Non
 
     decisions = tuple(dataclasses.replace(d, module=moved(d.module)) for d in sp.plan.decisions)
     plan = dataclasses.replace(sp.plan, decisions=decisions, model=model_info(module, sp.plan.model.spec))
-    return plan, frozenset(moved(p) for p in sp.early_recompute)
+    return plan, frozenset(moved(p) for p in sp.early_recompute), sp.split_backward

@@ -108,25 +108,37 @@ def _evaluate(
     schedule: PipelineSchedule,
     counts: tuple[int, ...],
     choices: Sequence[SpanChoice] = (),
-    recompute_early: bool = True,
+    memplan_runtime: bool = True,
 ):
     cuts = cut_stages(graph, counts)
     effects = stage_effects(graph, config, cuts, choices)
-    split = sorted({e.stage for e in effects} & schedule.split_stages)
-    if split:
+    split = next((e for e in effects if e.stage in schedule.split_stages), None)
+    if split is not None and not memplan_runtime:
         raise MemplanError(
-            f"{schedule.name} splits the backward of stage {split[0]}: torch recomputes a checkpointed block there "
-            "once per weight group in W, which costs more memory than it saves; plan with memplan plan --pp "
-            "(it recomputes only where a stage's backward is one call)"
+            f"{schedule.name} splits the backward of stage {split.stage}, where torch's checkpoint (torchtitan's "
+            "activation checkpointing) recomputes a block once per weight group in W, which memplan does not model; "
+            "plan with memplan plan --pp (its stage plans recompute there once)"
+        )
+    selective = next((e for e in effects if e.stage in schedule.split_stages and e.choice.keep_ops), None)
+    if selective is not None:
+        raise MemplanError(
+            f"{schedule.name} splits the backward of stage {selective.stage}, where a module recomputes whole (once, "
+            f"in I), but the plan recomputes '{selective.choice.span.path}' selectively; plan with memplan plan --pp"
         )
     stages = stage_programs(graph, config, cuts, effects)
     per_stage = stage_times(graph, cuts, op_times(graph, get_device(config.gpu)))
-    if effects:  # a recompute runs in its stage's backward: B, or stage 0's W under a split backward
+    if effects:  # a recompute runs in its stage's backward: B, or under a split backward I (stage 0: W)
         extra = [0.0] * len(cuts)
         for e in effects:
             extra[e.stage] += e.effect.recompute_s
-        per_stage = {**per_stage, **{k: tuple(t + x for t, x in zip(per_stage[k], extra)) for k in ("B", "W")}}
-    runs = [(e.stage, e.choice, e.effect.recompute_s) for e in effects] if recompute_early else []
+        in_i, in_w = [0.0, *extra[1:]], [extra[0], *[0.0] * (len(extra) - 1)]
+        per_stage = {
+            **per_stage,
+            "B": tuple(t + x for t, x in zip(per_stage["B"], extra)),
+            "I": tuple(t + x for t, x in zip(per_stage["I"], in_i)),
+            "W": tuple(t + x for t, x in zip(per_stage["W"], in_w)),
+        }
+    runs = [(e.stage, e.choice, e.effect.recompute_s) for e in effects] if memplan_runtime else []
     early = early_recompute_s(graph, schedule, cuts, runs)
     timing = pipeline_time(schedule, per_stage, early if any(early) else ())
     replays = [replay_rank(graph, config, stages, schedule, r, timing.step_s) for r in range(schedule.pp)]
@@ -180,20 +192,21 @@ def _check(graph: OpGraph, config: TrainConfig) -> None:
 
 
 def simulate_pipeline(
-    graph: OpGraph, config: TrainConfig, choices: Sequence[SpanChoice] = (), recompute_early: bool = True
+    graph: OpGraph, config: TrainConfig, choices: Sequence[SpanChoice] = (), memplan_runtime: bool = True
 ) -> PipelineTimeline:
     """Every pp rank of a pipeline step; `graph` is the step traced at one microbatch's batch.
-    `choices`: recompute span choices inside stages (a plan per stage, resolved on `graph`);
-    `recompute_early`: those that may run in a stage's wait for its gradient do (memplan's
-    planner.recompute_in_bubbles), else every recompute runs in its backward (torchtitan's
-    activation checkpointing)."""
+    `choices`: recompute span choices inside stages (a plan per stage, resolved on `graph`), run
+    by memplan's runtime (`memplan_runtime`: apply_plan and planner.recompute_in_bubbles, early in a
+    stage's wait for its gradient where they may, once in I on a stage whose backward is split), or
+    else by torch's checkpoint in every backward, as torchtitan's activation checkpointing runs them
+    (refused on a split stage, where it recomputes once per weight group)."""
     _check(graph, config)
     schedule = pipeline_schedule(config)
     if config.pp_split.strip() == "auto":
         counts = auto_split_path(graph, config)[-1]
     else:
         counts = blocks_per_stage(len(graph.regions), schedule.num_stages, config.pp_split)
-    cuts, timing, replays = _evaluate(graph, config, schedule, counts, choices, recompute_early)
+    cuts, timing, replays = _evaluate(graph, config, schedule, counts, choices, memplan_runtime)
     groups = group_roles(config, lambda c: c.pp)
     roles = tuple(
         RankRole(

@@ -71,15 +71,17 @@ class PipelineSchedule:
     def split_stages(self) -> frozenset[int]:
         """Stages past the first whose backward runs as I (input gradients) then W (weight
         gradients). torch's W calls backward once per weight group, and its checkpoint recomputes
-        once per call, so a block recomputed there runs its forward again for every group (each
-        copy held to W's end: measured, W peaks 3.5x higher on a checkpointed Llama layer); stage 0's
-        backward is one call (its I does nothing, W is the whole backward)."""
+        once per call (measured: W peaks 3.5x higher on a checkpointed Llama layer), so a stage plan
+        recomputes there with memplan's checkpoint, once in I, holding what it made until W ends
+        (StagePlan.split_backward); stage 0's backward is one call (its I does nothing, W is the
+        whole backward)."""
         return frozenset(a.stage for r in range(self.pp) for a in self.compute(r) if a.kind == "I" and a.stage > 0)
 
     def recompute_runs(self, stage: int) -> int:
-        """Times one step runs a recompute inside `stage`: once per backward, a full one (B) or stage
-        0's W under a split backward."""
-        return sum(a.kind in ("B", "W") for r in range(self.pp) for a in self.compute(r) if a.stage == stage)
+        """Times one step runs a recompute inside `stage`: once per backward, in B, or under a split
+        backward in I (stage 0: in W, its whole backward)."""
+        kinds = ("B", "W") if stage == 0 else ("B", "I")
+        return sum(a.kind in kinds for r in range(self.pp) for a in self.compute(r) if a.stage == stage)
 
     def compute(self, rank: int) -> tuple[PipelineAction, ...]:
         """Rank `rank`'s forward and backward actions only (computed once per rank)."""

@@ -554,11 +554,15 @@ def _place_effect(graph: OpGraph, cut: StageCut, e: StageEffect, p: dict[str, _P
     """A choice's events on its stage's programs: allocations and the drop in F (a drop after the
     stage's forward returns at its end), the replay at its rows before the span's backward in B
     (net in the split backward's I, or W on stage 0), the rest in the backward; a re-created storage
-    that outlived the step dies at the end of B, as the stage's saved tensors do."""
+    that outlived the step dies at the end of B, as the stage's saved tensors do. Past stage 0 a
+    split backward's recompute (:class:`planner.runtime.early_recompute.EarlyCheckpoint`, read more
+    than once) holds all it made, and the checkpoint's inputs, until the stage's graph is freed at
+    the end of W."""
     b = e.choice.span.bwd_start
     own_rows = rows.get(b, 0)
     first_row = int(np.searchsorted(p["B"].ops, b, side="left"))
     split = ("W_first", "W") if e.stage == 0 else ("I",)
+    in_backward = _held_until_w(graph, p, backward_event, e.stage)
     sampled = 0
     net: dict[int, int] = defaultdict(int)
     freed: set[int] = set()
@@ -583,10 +587,27 @@ def _place_effect(graph: OpGraph, cut: StageCut, e: StageEffect, p: dict[str, _P
         elif ev.op < cut.bwd_start or (first_free and ev.stage == FREE and ev.op <= graph.backward_start):
             p["F"].add(TAIL, ev.category, ev.nbytes)
         else:
-            backward_event(e.stage, ev.op, ev.storage, ev.nbytes)
+            in_backward(ev.op, ev.storage, ev.nbytes)
     for tid, left in net.items():
         if left:
-            backward_event(e.stage, TAIL, tid, -left)
+            in_backward(TAIL, tid, -left)
+
+
+def _held_until_w(graph: OpGraph, p: dict[str, _Program], backward_event, stage: int):
+    """A recompute choice's backward event on stage `stage`: in B where it happens; in a split
+    backward's W at its end for a free past stage 0 (the recompute holds what it made until W)."""
+
+    def event(op: int, tid: int, nbytes: int) -> None:
+        if stage == 0 or nbytes > 0:
+            backward_event(stage, op, tid, nbytes)
+            return
+        category = graph.tensors[tid].category
+        for key in ("B_first", "B"):
+            p[key].add(op, category, nbytes)
+        for key in ("W_first", "W"):
+            p[key].add(TAIL, category, nbytes)
+
+    return event
 
 
 def _phase_names(graph: OpGraph) -> np.ndarray:

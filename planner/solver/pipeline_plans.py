@@ -16,9 +16,9 @@ is priced by what the unplanned schedule's waits before that stage's backwards d
 second still costs HIDDEN_PRICE of one, as under FSDP2's waits); `bubble_aware=False` prices every
 recompute in full. The step time reported is the replay's under the chosen plans either way.
 
-Under a split backward (zero-bubble, DualPipeV) only stage 0 recomputes: on a later stage torch's W
-would run a checkpointed block's forward again for every weight group
-(:attr:`PipelineSchedule.split_stages`); stage 0's recompute runs once per W.
+Under a split backward (zero-bubble, DualPipeV) a stage past the first recomputes whole modules
+only, once in I, holding what it made until W (:attr:`PipelineSchedule.split_stages`: torch's own
+checkpoint would recompute once per weight group there); stage 0's recompute runs once per W.
 """
 
 from __future__ import annotations
@@ -265,13 +265,8 @@ def solve_pipeline(
     options, effects = [], []
     for span, stage in zip(spans, stage_of_block):
         opts = [o for o in block_options(graph, span, times, None) if span.path not in keep_set or o.choice is None]
-        if stage in schedule.split_stages:  # W would recompute once per weight group (PipelineSchedule.split_stages)
-            if span.path in force_set:
-                raise MemplanError(
-                    f"--recompute '{span.path}': {schedule.name} splits the backward of stage {stage}, where a "
-                    "recompute costs more memory than it saves; recompute blocks of stage 0 only"
-                )
-            opts = [o for o in opts if o.choice is None]
+        if stage in schedule.split_stages:  # whole modules only (PipelineSchedule.split_stages)
+            opts = [o for o in opts if o.choice is None or not o.choice.keep_ops]
         if span.path in force_set:
             opts = [o for o in opts if o.choice is not None and o.choice.span.path == span.path]
         options.append(opts)
@@ -317,11 +312,6 @@ def solve_pipeline(
                 f"budget {format_bytes(budget_bytes)} is infeasible for pp rank {r} (stages "
                 f"{','.join(map(str, sorted(own)))}, {baseline.in_flight[r]} microbatches in flight): the smallest "
                 f"peak memplan reaches there is {format_bytes(least)}"
-                + (
-                    f" ({schedule.name} splits the backward of stages past the first: they recompute nothing)"
-                    if own & schedule.split_stages
-                    else ""
-                )
                 + "; raise --budget, add stages (--pp), or cut model states (--precision bf16-mixed, --zero 3 --dp N)",
                 smallest_peak_bytes=least,
             )
@@ -446,7 +436,7 @@ def _local(path: str, block: str) -> str:
 def uniform_choices(graph: OpGraph, config: TrainConfig, plan: PipelinePlan) -> list[SpanChoice]:
     """One plan for all stages: the choices of the stage that recomputes the most, repeated on every
     stage's blocks by position (the k-th block of each stage treated as that stage's k-th block);
-    stages whose backward the schedule splits recompute nothing (PipelineSchedule.split_stages)."""
+    stages whose backward the schedule splits recompute those modules whole (PipelineSchedule.split_stages)."""
     times = op_times(graph, get_device(config.gpu))
     spans = block_spans(graph)
     by_stage = [[s for s in spans if c.fwd_start <= s.fwd_start < c.fwd_end] for c in plan.cuts]
@@ -460,8 +450,6 @@ def uniform_choices(graph: OpGraph, config: TrainConfig, plan: PipelinePlan) -> 
         names.append(picked)
     out = []
     for stage, blocks in enumerate(by_stage):
-        if stage in plan.schedule.split_stages:
-            continue
         for k, span in enumerate(blocks):
             src = names[min(k, len(names) - 1)] if names else None
             if src is None:
@@ -480,7 +468,10 @@ def uniform_choices(graph: OpGraph, config: TrainConfig, plan: PipelinePlan) -> 
                 ),
                 None,
             )
-            out.append(match if match is not None else dataclasses.replace(src, span=span, keep_ops=frozenset()))
+            choice = match if match is not None else dataclasses.replace(src, span=span, keep_ops=frozenset())
+            if stage in plan.schedule.split_stages:  # whole modules only there (PipelineSchedule.split_stages)
+                choice = dataclasses.replace(choice, keep_ops=frozenset())
+            out.append(choice)
     return out
 
 
@@ -506,6 +497,7 @@ def stage_plans(graph: OpGraph, config: TrainConfig, plan: PipelinePlan, strateg
                 blocks=tuple(r.path for r in regions),
                 plan=_stage_plan(graph, config, plan, rp, s, own, recompute_s, effects, strategy),
                 early_recompute=tuple(ch.span.path for ch in own if runs_early(graph, plan.schedule, c, ch)),
+                split_backward=s in plan.schedule.split_stages,
             )
             out.append(p)
     return StagePlans(
