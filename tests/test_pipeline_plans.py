@@ -322,8 +322,8 @@ def test_plan_cli_pp_errors_are_one_line(tmp_path, capsys, extra, needle):
 @pytest.mark.parametrize("builder", ["titan_llama", "hf_llama"])
 def test_stage_plans_hold_the_budget_on_gloo_ranks(builder):
     """Stage plans applied on 2 gloo ranks (GPipe, 1F1B, interleaved 1F1B, ZBV zero-bubble, DualPipeV
-    and interleaved zero-bubble, where a stage whose backward is split recomputes once in I and holds
-    what it made until W): each rank's measured peak within the budget (3% for
+    and interleaved zero-bubble; on a stage whose backward is split the recompute runs once, in I, and
+    holds what it made until W): each rank's measured peak within the budget (3% for
     the simulation's error against the measurement) and within 3% of its prediction. Under 1F1B
     and interleaved 1F1B, stages recompute a block in their waits (recompute_in_bubbles, in the harness)."""
     spec = f"{P.PATH}:{builder}"
@@ -334,7 +334,7 @@ def test_stage_plans_hold_the_budget_on_gloo_ranks(builder):
         ("1f1b", None, 0.85),
         ("interleaved-1f1b", 2, 0.85),
         ("zbv-zero-bubble", 2, 0.95),
-        ("dualpipev", 2, 0.975),
+        ("dualpipev", 2, 0.9),
         ("interleaved-zero-bubble", 2, 0.88),
     ):
         cfg = _config(schedule, stages_per_rank=v)
@@ -345,7 +345,8 @@ def test_stage_plans_hold_the_budget_on_gloo_ranks(builder):
             assert plans.stages[0].early_recompute
         if schedule == "interleaved-1f1b":  # stages 0 and 2 (rank 0, the multi-stage runtime): their first blocks
             assert [bool(s.early_recompute) for s in plans.stages] == [True, False, True, False]
-        if schedule == "interleaved-zero-bubble":  # rank 1 fits only by recomputing on a split stage
+        if schedule in ("interleaved-zero-bubble", "dualpipev"):  # rank 1 recomputes on a split stage (DualPipeV:
+            # in I and in its whole Bs, where memplan's checkpoint holds what it made to the block's backward end)
             assert any(s.split_backward and s.plan.decisions for s in plans.stages)
         cases.append(P.case(schedule, builder, cfg, [len(s.blocks) for s in plans.stages], plans=plans.to_dict()))
         predicted[schedule], budgets[schedule] = [r.peak_with for r in plan.ranks], budget

@@ -126,7 +126,8 @@ def _program(ops, rows: Mapping[int, int] | None = None) -> _Program:
 @dataclass(frozen=True)
 class StageMemory:
     """A stage's persistent bytes and its per-action programs (F, B, I, W; ``*_first`` for the first
-    backward, which allocates the gradients the others accumulate into)."""
+    backward, which allocates the gradients the others accumulate into; ``B_held`` for a whole B
+    where the schedule splits the stage's other backwards, whose recomputes hold what they make)."""
 
     index: int
     persistent: np.ndarray  # (categories,) live throughout the step
@@ -543,8 +544,10 @@ def _place(
     for e in effects:
         _place_effect(graph, cuts[e.stage], e, progs[e.stage], rows.get(e.stage, {}), backward_event)
     for p in progs:
-        for prog in p.values():
-            prog.settle()
+        for key, prog in p.items():
+            if key != _HELD_MOVES:
+                prog.settle()
+        _with_held(p)
     return _Placed(
         persistent, per_microbatch, sent_bytes, grad_sent_bytes, progs, [tuple(p) for p in param_shapes], loss_output
     )
@@ -562,7 +565,7 @@ def _place_effect(graph: OpGraph, cut: StageCut, e: StageEffect, p: dict[str, _P
     own_rows = rows.get(b, 0)
     first_row = int(np.searchsorted(p["B"].ops, b, side="left"))
     split = ("W_first", "W") if e.stage == 0 else ("I",)
-    in_backward = _held_until_w(graph, p, backward_event, e.stage)
+    in_backward = _held_until_w(graph, p, backward_event, e)
     sampled = 0
     net: dict[int, int] = defaultdict(int)
     freed: set[int] = set()
@@ -593,21 +596,47 @@ def _place_effect(graph: OpGraph, cut: StageCut, e: StageEffect, p: dict[str, _P
             in_backward(TAIL, tid, -left)
 
 
-def _held_until_w(graph: OpGraph, p: dict[str, _Program], backward_event, stage: int):
-    """A recompute choice's backward event on stage `stage`: in B where it happens; in a split
-    backward's W at its end for a free past stage 0 (the recompute holds what it made until W)."""
+def _held_until_w(graph: OpGraph, p: dict[str, _Program], backward_event, e: StageEffect):
+    """A recompute choice's backward event on its stage: where it happens in B. Past stage 0, where
+    the schedule splits the stage's backward, memplan's checkpoint holds what the recompute made
+    until autograd lets go of the block: a free moves to W's end, and in a whole B (DualPipeV runs
+    some) to the end of the span's backward (``B_held``, settled by :func:`_with_held`)."""
 
     def event(op: int, tid: int, nbytes: int) -> None:
-        if stage == 0 or nbytes > 0:
-            backward_event(stage, op, tid, nbytes)
+        if e.stage == 0 or nbytes > 0:
+            backward_event(e.stage, op, tid, nbytes)
             return
         category = graph.tensors[tid].category
         for key in ("B_first", "B"):
             p[key].add(op, category, nbytes)
+        if op != TAIL and op < e.choice.span.bwd_end:
+            p.setdefault(_HELD_MOVES, []).append((op, e.choice.span.bwd_end, CATEGORY_INDEX[category], nbytes))
         for key in ("W_first", "W"):
             p[key].add(TAIL, category, nbytes)
 
     return event
+
+
+_HELD_MOVES = "held_moves"  # a stage's frees that B_held makes later: (op, later op, category, bytes)
+
+
+def _with_held(p: dict) -> None:
+    """Add ``B_held`` and ``B_held_first``: B's programs with the held frees moved later (the same
+    programs where nothing moves)."""
+    moves = p.pop(_HELD_MOVES, [])
+    if not moves:
+        p["B_held"], p["B_held_first"] = p["B"], p["B_first"]
+        return
+    ops = p["B"].ops
+    change = _Program(ops, np.zeros_like(p["B"].delta))
+    for op, later, category, nbytes in moves:  # a free sits on the first row of its op (see _Program.settle)
+        change.delta[int(np.searchsorted(ops, op, side="left")), category] -= nbytes
+        at = int(np.searchsorted(ops, later, side="left"))
+        if at < len(ops):
+            change.delta[at, category] += nbytes
+        else:
+            change.tail[category] += nbytes
+    p["B_held"], p["B_held_first"] = p["B"].plus(change), p["B_first"].plus(change)
 
 
 def _phase_names(graph: OpGraph) -> np.ndarray:
@@ -737,6 +766,7 @@ def replay_rank(
     base[CATEGORY_INDEX["optimizer"]] += sum(s.optimizer_bytes for s in own)
     grads_made: set[int] = set()
     actions = schedule.compute(rank)
+    split = schedule.split_stages  # a whole B there holds what a recompute made to the span's end
     if config.grad_accum_steps > 1:  # a later accumulation step: the gradients are live from its start
         for s in own:
             pair = "W" if any(a.kind == "W" and a.stage == s.index for a in actions) else "B"
@@ -765,7 +795,8 @@ def replay_rank(
         if act.kind in ("F", "I"):
             prog = p[act.kind]
         else:  # B or W: the stage's first one allocates its gradients, the others accumulate
-            prog = p[act.kind if act.stage in grads_made else f"{act.kind}_first"]
+            kind = "B_held" if act.kind == "B" and act.stage in split else act.kind
+            prog = p[kind if act.stage in grads_made else f"{kind}_first"]
             grads_made.add(act.stage)
         if id(prog) not in curves:
             curves[id(prog)] = (prog.head + np.cumsum(prog.delta, axis=0), _net(prog))
