@@ -387,3 +387,23 @@ def test_a_budget_refused_in_a_re_solve_names_a_smallest_peak_above_it():
     with pytest.raises(InfeasibleBudget) as refused:
         solve_pipeline(graph, config, budget)
     assert refused.value.smallest_peak_bytes > budget
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_verify_pp_measures_stage_plans_that_recompute_on_split_stages(tmp_path, capsys):
+    """`memplan plan --pp` under interleaved zero-bubble, at a budget rank 1 meets only by
+    recomputing on stage 1 (whose backward is split), then `memplan verify --pp --plan` on 2 gloo
+    ranks: each rank within 2% of its prediction (the traced stages' known gap)."""
+    base = ["--model", "llama-70b-tiny", "--seq-len", "64", "--batch-size", "4", "--pp", "2", "--microbatches", "4"]
+    base += ["--pp-schedule", "interleaved-zero-bubble", "--stages-per-rank", "2"]
+    plan, out = tmp_path / "plan.json", tmp_path / "verify.json"
+    code, _, err = run(["plan", *base, "--budget", "91%", "--out", str(plan)], capsys)
+    assert code == 0, err
+    stages = json.loads(plan.read_text())["stages"]
+    assert any(s.get("split_backward") and s["plan"]["decisions"] for s in stages)
+    code, _, err = run(["verify", *base, "--plan", str(plan), "--json", str(out)], capsys)
+    assert code == 0, err
+    (result,) = json.loads(out.read_text())["results"]
+    assert len(result["measured_bytes"]) == 2
+    assert all(abs(e) < 0.02 for e in result["errors"]), result
