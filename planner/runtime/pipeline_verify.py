@@ -285,7 +285,8 @@ def _contiguous_across_cuts(split_gm: torch.fx.GraphModule) -> None:
     contiguous tensors only (gloo and NCCL alike), while the tracer cuts wherever the blocks begin.
     A permuted view (a vision model's feature map) is sent as the permutation that makes it
     contiguous, with no copy, and the receiver views it back in the eager step's layout (so its ops
-    run as they do there); anything else not contiguous (an expanded attention mask) is copied."""
+    run as they do there); anything else not contiguous (an expanded attention mask) is copied. What a
+    stage returns is not a view for autograd (:func:`_owned`)."""
     stages = [n for n in split_gm.graph.nodes if n.op == "call_module"]
     for k, stage in enumerate(stages):
         submod = split_gm.get_submodule(stage.target)
@@ -310,20 +311,31 @@ def _contiguous_across_cuts(split_gm: torch.fx.GraphModule) -> None:
 
 
 def _sendable(graph: torch.fx.Graph, returned: torch.fx.Node, result):
-    """A stage's output as it can be sent: itself where contiguous, else its contiguous permutation
-    (no copy) or a contiguous copy."""
+    """A stage's output as it can be sent: contiguous (itself, its contiguous permutation with no
+    copy, or a contiguous copy) and not a view for autograd (:func:`_owned`)."""
     example = result.meta.get("val") if isinstance(result, torch.fx.Node) else None
-    if not isinstance(example, torch.Tensor) or example.is_contiguous():
+    if not isinstance(example, torch.Tensor):
         return result
-    order, sent = _sent_layout(example)
+    if not example.is_contiguous():
+        order, example = _sent_layout(example)
+        with graph.inserting_before(returned):
+            result = (
+                graph.call_method("contiguous", (result,))
+                if order is None
+                else graph.call_method("permute", (result, order))
+            )
+        result.meta["val"] = example
     with graph.inserting_before(returned):
-        node = (
-            graph.call_method("contiguous", (result,))
-            if order is None
-            else graph.call_method("permute", (result, order))
-        )
-    node.meta["val"] = sent
-    return node
+        owned = graph.call_function(_owned, (result,))
+    owned.meta["val"] = example
+    return owned
+
+
+def _owned(value: torch.Tensor) -> torch.Tensor:
+    """`value` where it is not a view, else the same storage as a tensor autograd does not track as
+    a view (no copy): a split backward (zero-bubble schedules) detaches each stage output in place
+    (``stage_backward_input``), which a view refuses (OPT's layers return one)."""
+    return torch.ops.aten._unsafe_view(value, value.shape) if value._is_view() else value
 
 
 def _returned(graph: torch.fx.Graph) -> tuple[torch.fx.Node, tuple]:
