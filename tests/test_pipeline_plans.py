@@ -171,6 +171,17 @@ def test_split_backward_stages_recompute_whole_modules_once_in_i(graph):
         evaluate_pipeline(graph, cfg, [selective], plan.cuts)
 
 
+def test_simulate_under_a_split_backward_takes_whole_module_strategies_only(capsys):
+    """`simulate --pp --strategy` under ZBV: full recomputes every stage (memplan's checkpoint on the
+    split ones); a selective strategy there is a one-line error saying what to use instead."""
+    argv = ["simulate", "--model", "llama-70b-tiny", "--seq-len", "64", "--batch-size", "4", "--pp", "2"]
+    argv += ["--pp-schedule", "zbv-zero-bubble", "--stages-per-rank", "2", "--microbatches", "4"]
+    code, _, err = run([*argv, "--strategy", "full"], capsys)
+    assert code == 0, err
+    code, _, err = run([*argv, "--strategy", "selective"], capsys)
+    assert_user_error(code, err, "simulate", "recomputes selectively; use a whole-module --strategy")
+
+
 def test_a_split_backward_stage_recomputes_once_and_keeps_gradients():
     """A stage plan on a split-backward stage, run through torch's own I and W
     (pipelining._backward): each planned block's forward runs once more (torch's checkpoint would

@@ -122,8 +122,9 @@ def _evaluate(
     selective = next((e for e in effects if e.stage in schedule.split_stages and e.choice.keep_ops), None)
     if selective is not None:
         raise MemplanError(
-            f"{schedule.name} splits the backward of stage {selective.stage}, where a module recomputes whole (once, "
-            f"in I), but the plan recomputes '{selective.choice.span.path}' selectively; plan with memplan plan --pp"
+            f"{schedule.name} splits the backward of stage {selective.stage}, where memplan recomputes whole modules "
+            f"only (once, in I), but '{selective.choice.span.path}' recomputes selectively; use a whole-module "
+            "--strategy (full, every-N, sqrt) or plan with memplan plan --pp"
         )
     stages = stage_programs(graph, config, cuts, effects)
     per_stage = stage_times(graph, cuts, op_times(graph, get_device(config.gpu)))
