@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 2 examples/train_pipeline.py
     torchrun --standalone --nproc-per-node 2 examples/train_pipeline.py --schedule interleaved-1f1b
     torchrun --standalone --nproc-per-node 2 examples/train_pipeline.py --schedule gpipe --budget 70%
+    torchrun --standalone --nproc-per-node 2 examples/train_pipeline.py --schedule interleaved-zero-bubble
 
 CPU ranks under gloo. Rank 0 traces the model below (`llama`: an 8-layer Llama, the spec
 ``examples/train_pipeline.py:llama``) on fake tensors and solves a plan per pipeline stage
@@ -12,7 +13,8 @@ torchtitan does (layers under their own names, the embeddings on the first stage
 on the last), applies its stages' plans (``apply_plan(stage_module, plans, stage=i)``) and trains
 `--steps` steps with ``schedule.step()`` under ``recompute_in_bubbles``: a stage that waits for a
 gradient recomputes the block its plan runs early while it waits (GPipe, 1F1B, interleaved 1F1B,
-looped BFS). Last, each rank measures one more step's peak of live tensor bytes and rank 0 prints
+looped BFS); under the zero-bubble schedules and DualPipeV a stage whose backward is split
+recomputes once, in I, and holds what it made until W. Last, each rank measures one more step's peak of live tensor bytes and rank 0 prints
 them against memplan's prediction.
 """
 
@@ -45,7 +47,7 @@ def llama(batch_size: int, seq_len: int):
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"])
+    p.add_argument("--schedule", default="1f1b", choices=list(PP_SCHEDULES))
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step, split into --microbatches")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
@@ -108,9 +110,11 @@ def main() -> None:
     dist.all_gather_object(peaks, measured.peak_bytes)
     if rank == 0:
         early = {s.stage: list(s.early_recompute) for s in plans.stages if s.early_recompute}
+        split = [s.stage for s in plans.stages if s.split_backward and s.plan.decisions]
         print(
             f"{args.schedule} on {world} CPU ranks (gloo), {args.microbatches} microbatches, budget "
-            f"{format_bytes(plans.budget_bytes)}; recomputed while waiting for a gradient: {early or 'nothing'}"
+            f"{format_bytes(plans.budget_bytes)}; recomputed while waiting for a gradient: {early or 'nothing'}; "
+            f"split-backward stages recomputing once in I: {split or 'none'}"
         )
         for r, (meas, pred) in enumerate(zip(peaks, payload[0]["predicted"])):
             print(
