@@ -359,6 +359,8 @@ def test_stage_plans_hold_the_budget_on_gloo_ranks(builder):
         if schedule in ("interleaved-zero-bubble", "dualpipev"):  # rank 1 recomputes on a split stage (DualPipeV:
             # in I and in its whole Bs, where memplan's checkpoint holds what it made to the block's backward end)
             assert any(s.split_backward and s.plan.decisions for s in plans.stages)
+        if schedule == "interleaved-zero-bubble":  # stage 1's block recomputes in its wait before I
+            assert plans.stages[1].early_recompute
         cases.append(P.case(schedule, builder, cfg, [len(s.blocks) for s in plans.stages], plans=plans.to_dict()))
         predicted[schedule], budgets[schedule] = [r.peak_with for r in plan.ranks], budget
     measured = P.run_on_ranks(cases, timeout_s=400)

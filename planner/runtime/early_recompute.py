@@ -18,7 +18,8 @@ recomputes the modules its plan runs early (``StagePlan.early_recompute``) for t
 It follows torch's schedule loops, which post the gradient's receive and wait on it right before
 the backward (``schedules._wait_batch_p2p``): the recompute runs just before that wait. GPipe
 and 1F1B ask their stage for the receive there (``get_bwd_recv_ops``); the multi-stage runtime
-(interleaved 1F1B, looped BFS) takes the receive it posted earlier out of ``bwd_recv_ops``.
+(interleaved 1F1B, looped BFS, and before I or a whole B the zero-bubble schedules and DualPipeV)
+takes the receive it posted earlier out of ``bwd_recv_ops``.
 """
 
 from __future__ import annotations
@@ -186,8 +187,8 @@ def _holds(stage_module: nn.Module, model: nn.Module) -> bool:
 def recompute_in_bubbles(schedule: Any, handles: Sequence[PlanHandle]) -> Iterator[None]:
     """While `schedule` steps, each of this rank's stages recomputes its plan's early modules (the
     handles of :func:`planner.runtime.apply.apply_plan` on its stage modules) for each microbatch
-    while it waits for that microbatch's gradient: torch's GPipe, 1F1B, interleaved 1F1B and
-    looped BFS. Other schedules run unchanged (their plans list no early module)."""
+    while it waits for that microbatch's gradient: torch's GPipe and 1F1B, and every schedule of
+    its multi-stage runtime (before B, or before I where the backward is split)."""
     from torch.distributed.pipelining import schedules
 
     planned = [h for h in handles if h.early_queue is not None]

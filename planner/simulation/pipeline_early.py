@@ -6,9 +6,11 @@ backward is the stage's first, checkpointed whole) needs nothing from the gradie
 the rank waits, it leaves the memory curve as it was (the same tensors, live from the same point
 of the rank's order: the end of the action before B) and adds only what the wait does not cover.
 `planner.runtime.early_recompute` runs it there: torch's schedules wait on a B's gradient right
-before B (GPipe and 1F1B; interleaved 1F1B and looped BFS, each of their stages on its own). Not
-where the next stage lives on the same rank (the V-shaped schedules hand the gradient over with
-no wait), nor in a split backward (I then W), where a stage recomputes in W, after the wait.
+before B (GPipe and 1F1B; interleaved 1F1B and looped BFS, each of their stages on its own), and
+under a split backward on I's gradient right before I, where a stage past the first recomputes
+(memplan's checkpoint, held until W). Not where the next stage lives on the same rank (the
+V-shaped schedules hand the gradient over with no wait), nor on stage 0 under a split backward,
+which recomputes in W, after its I.
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ def runs_early(graph: OpGraph, schedule: PipelineSchedule, cut: StageCut, choice
 
 
 def _waits_for_gradient(schedule: PipelineSchedule, stage: int) -> bool:
-    """Whether `stage` has a next stage on another rank and every backward of it is one B."""
+    """Whether `stage` has a next stage on another rank and recomputes in the backward that waits
+    for it: B, or I on a stage whose backward is split (stage 0 recomputes in W, after its I)."""
     if stage == schedule.num_stages - 1:
         return False
     rank = {s: r for r in range(schedule.pp) for s in schedule.stages(r)}
     kinds = {a.kind for a in schedule.compute(rank[stage]) if a.stage == stage and a.kind != "F"}
-    return rank[stage + 1] != rank[stage] and kinds == {"B"}
+    waited = kinds == {"B"} or (stage in schedule.split_stages and kinds <= {"B", "I", "W"})
+    return rank[stage + 1] != rank[stage] and waited
 
 
 def early_recompute_s(

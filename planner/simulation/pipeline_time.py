@@ -107,7 +107,7 @@ def pipeline_time(
                 if deps and not ready:
                     break
                 seconds = per_stage[a.kind][a.stage]
-                ahead = min(early_s[a.stage], seconds) if a.kind == "B" and early_s and ready else 0.0
+                ahead = min(early_s[a.stage], seconds) if a.kind in ("B", "I") and early_s and ready else 0.0
                 start = max([free_at[r], *[t - ahead for t in ready]])
                 first[r] = start if first[r] is None else first[r]
                 key = (a.stage, a.kind, a.microbatch)

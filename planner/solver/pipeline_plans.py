@@ -367,7 +367,9 @@ def _price(graph: OpGraph, schedule: PipelineSchedule, cuts: tuple[StageCut, ...
     if not waits_s or not runs_early(graph, schedule, cuts[e.stage], e.choice):
         return full
     hidden = sum(
-        min(e.effect.recompute_s, w) for (stage, kind, _), w in waits_s.items() if stage == e.stage and kind == "B"
+        min(e.effect.recompute_s, w)
+        for (stage, kind, _), w in waits_s.items()
+        if stage == e.stage and kind in ("B", "I")
     )
     return full - hidden * (1.0 - HIDDEN_PRICE)
 
