@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 
@@ -11,6 +12,7 @@ pytest.importorskip("transformers")
 from planner.api import plan_model, verify_model  # noqa: E402
 from planner.config import TrainConfig  # noqa: E402
 from planner.errors import SpecError  # noqa: E402
+from planner.tracing.recorder import trace  # noqa: E402
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -36,6 +38,17 @@ def hf_spec(tmp_path):
 def test_hf_llama_prediction_within_3_percent(hf_spec):
     result = verify_model(hf_spec, TrainConfig(batch_size=8, seq_len=128))
     assert abs(result.error) <= 0.03, result
+
+
+def test_hf_trace_prints_no_module_tracker_false_alarm(hf_spec):
+    # transformers' hub kernels nest two `Func` modules; torch's ModTracker warns (and swaps the
+    # process's warnings.formatwarning) at every such call
+    formatwarning = warnings.formatwarning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trace(hf_spec, batch_size=2, seq_len=16)
+    assert not [w for w in caught if "module hierarchy" in str(w.message)]
+    assert warnings.formatwarning is formatwarning
 
 
 def test_hf_llama_plan_fits_and_is_predicted(hf_spec):

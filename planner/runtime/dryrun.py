@@ -11,13 +11,13 @@ from dataclasses import replace
 import torch
 
 from costmodels.memory import get_precision
-from memplan_compat import ModTracker
 from planner.config import TrainConfig
 from planner.errors import MemplanError, PlanFileError
 from planner.plans.format import Decision, Plan
 from planner.runtime.apply import apply_plan
 from planner.tracing.blocks import is_segment
 from planner.tracing.fake_build import fake_model
+from planner.tracing.module_tracker import ModuleTracker
 from planner.tracing.recorder import (
     cast_parameters,
     forward_context,
@@ -30,7 +30,7 @@ __all__ = ["dry_run", "planned_errors"]
 
 
 def _owner(plan: Plan, active: set[str]) -> str | None:
-    """The innermost planned module among the modules running (ModTracker names them
+    """The innermost planned module among the modules running (ModuleTracker names them
     'RootClass.path.to.module')."""
     planned = {d.module for d in plan.decisions}
     running = [p for p in planned if any(a == p or a.endswith("." + p) for a in active)]
@@ -50,7 +50,7 @@ def _describe(decisions: list[Decision]) -> str:
 def planned_errors(plan: Plan) -> Iterator[None]:
     """An error raised while a model runs under `plan` becomes a one-line PlanFileError naming
     the planned module that was running and its decision."""
-    tracker = ModTracker()
+    tracker = ModuleTracker()
     with tracker:
         try:
             yield

@@ -16,10 +16,11 @@ from torch import nn
 import memplan_compat
 from costmodels.attention import HOST_OUTPUTS
 from costmodels.flops import op_bytes_accessed, op_flops
-from memplan_compat import ModTracker, TorchDispatchMode, tree_leaves
+from memplan_compat import TorchDispatchMode, tree_leaves
 from planner.errors import TraceError
 from planner.tracing.dtensor import dtensor_type
 from planner.tracing.graph import OpNode
+from planner.tracing.module_tracker import ModuleTracker
 
 __all__ = ["OpRecorder", "as_int", "local_tensor"]
 
@@ -125,14 +126,14 @@ class _Storage:
 
 
 class OpRecorder(TorchDispatchMode):
-    """Records aten ops and storage lifetimes; module paths come from a ModTracker."""
+    """Records aten ops and storage lifetimes; module paths come from a ModuleTracker."""
 
     def __init__(self, model: nn.Module, with_costs: bool) -> None:
         super().__init__()
         self.fqn = {id(m): name for name, m in model.named_modules()}
         self.active: list[str] = []  # modules entered and not yet left, innermost last
         self.calls: Counter[str] = Counter()  # forward calls per module (called, not just looped over)
-        self.tracker = ModTracker()
+        self.tracker = ModuleTracker()
         self.tracker.register_user_hooks(self._enter, self._leave, self._enter, self._leave)
         self.with_costs = with_costs
         self.ops: list[OpNode] = []
