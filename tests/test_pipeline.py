@@ -256,7 +256,7 @@ def test_split_backward_with_fsdp2_resharding_is_warned_in_simulate_and_refused_
 @pytest.mark.parametrize("model", ["llama-7b-tiny", "tests/pp_ranks.py:hf_llama"])
 def test_verify_pipeline_cli_measures_every_pp_rank(tmp_path, capsys, model):
     """`memplan verify --pp 2` cuts any model with torch's pipeline tracer where the simulation cuts it
-    and measures each pp rank on gloo: within 5% of the prediction (the traced stages send what
+    and measures each pp rank on gloo: within 3% of the prediction (the traced stages send what
     crosses a cut, e.g. rotary tables, where torchtitan's stages recompute it), under a stage plan too."""
     base = ["--model", model, "--seq-len", "64", "--batch-size", "4", "--pp", "2", "--pp-schedule", "1f1b"]
     plan = tmp_path / "plan.json"
@@ -268,7 +268,7 @@ def test_verify_pipeline_cli_measures_every_pp_rank(tmp_path, capsys, model):
         assert code == 0, err
         (result,) = json.loads(out.read_text())["results"]
         assert len(result["measured_bytes"]) == 2
-        assert all(abs(e) < 0.05 for e in result["errors"]), result
+        assert all(abs(e) < 0.03 for e in result["errors"]), result
 
 
 @pytest.mark.distributed
@@ -299,7 +299,7 @@ def test_verify_pipeline_with_fsdp2_measures_every_rank_of_the_mesh(tmp_path, ca
         ("llama-70b-tiny", "interleaved-1f1b", 2, 2, 0.02),
         ("llama-70b-tiny", "dualpipev", 2, 2, 0.02),
         ("llama-70b-tiny", "looped-bfs", 4, 1, 0.07),  # the last stage predicted 6.6% over (as gpipe's)
-        ("tests/pp_ranks.py:hf_llama", "zbv-zero-bubble", 2, 2, 0.06),
+        ("tests/pp_ranks.py:hf_llama", "zbv-zero-bubble", 2, 2, 0.03),
     ],
 )
 def test_verify_pipeline_runs_multi_stage_schedules(tmp_path, capsys, model, schedule, pp, stages_per_rank, tolerance):
@@ -546,6 +546,27 @@ def test_verify_pipeline_sends_a_non_contiguous_boundary(tmp_path, capsys):
     assert code == 0, err
     (result,) = json.loads(out.read_text())["results"]
     assert abs(result["errors"][0]) < 0.01 and abs(result["errors"][1]) < 0.05, result
+
+
+def test_traced_stages_attend_as_the_eager_step_does():
+    """Exported, transformers would assume packed sequences and build the causal mask it skips in
+    eager, and SDPA with a mask takes no grouped key/value heads: the traced stages would save a
+    mask and repeated keys and values that the simulated (eager) step never makes."""
+    import torch
+
+    from planner.runtime.pipeline_verify import _traced_pipe
+
+    pipe, _, _ = _traced_pipe("tests/pp_ranks.py:hf_llama", _config("1f1b", microbatches=2, seq_len=64), (2, 2), 0)
+    calls = [
+        node
+        for module in pipe.split_gm.modules()
+        if isinstance(getattr(module, "graph", None), torch.fx.Graph)
+        for node in module.graph.nodes
+        if node.target is torch.ops.aten.scaled_dot_product_attention.default
+    ]
+    assert len(calls) == 4  # one per layer
+    for node in calls:
+        assert node.args[3] is None and node.args[5] is True and node.kwargs["enable_gqa"], node  # no mask, causal
 
 
 @pytest.mark.slow  # 6 s; the multi-stage verify runs relay traced stages end to end

@@ -39,7 +39,7 @@ from planner.runtime.tracker import LiveBytesTracker
 from planner.runtime.verify import make_optimizer
 from planner.simulation.pipeline_schedule import stages_of_rank
 from planner.tracing.blocks import find_region_paths
-from planner.tracing.hf import disable_kv_cache
+from planner.tracing.hf import disable_kv_cache, eager_masks_under_export
 from planner.tracing.recorder import loss_of
 from planner.tracing.specs import resolve_spec
 
@@ -165,7 +165,7 @@ def _traced_pipe(spec: str, config: TrainConfig, blocks_per_stage: tuple[int, ..
     split_spec = {f"model.{blocks[i]}": SplitPoint.BEGINNING for i in firsts}
     mb_kwargs = dict(zip(kwargs, _microbatch(kwargs.values(), micro)))
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), eager_masks_under_export():
             warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own pytree deprecations
             pipe = pipeline(
                 _Step(model), mb_args=tuple(_microbatch(args, micro)), mb_kwargs=mb_kwargs, split_spec=split_spec

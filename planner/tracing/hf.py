@@ -24,7 +24,7 @@ from torch import nn
 from planner.errors import SpecError
 from planner.tracing.models import random_tokens
 
-__all__ = ["disable_kv_cache", "eager_transformers", "hf_builder", "hf_max_positions", "skip_init"]
+__all__ = ["disable_kv_cache", "eager_masks_under_export", "eager_transformers", "hf_builder", "hf_max_positions", "skip_init"]
 
 
 def _build_hf(config_path: str, batch_size: int, seq_len: int) -> tuple[nn.Module, dict]:
@@ -106,9 +106,10 @@ _INIT_NAMES = tuple(
 )
 _HF_IMPORT_UTILS = "transformers.utils.import_utils"
 _HF_INIT = "transformers.initialization"
+_HF_MASKING = "transformers.masking_utils"
 
 
-def _not_fake(_tensor=None) -> bool:
+def _not_fake(_tensor=None) -> bool:  # also: not exporting
     return False
 
 
@@ -125,6 +126,35 @@ def eager_transformers() -> Iterator[None]:
         yield
     finally:
         module.is_fake_tensor = original
+
+
+@contextmanager
+def eager_masks_under_export(model_inputs_are_unpacked: bool = True) -> Iterator[None]:
+    """While active, transformers builds a training step's attention mask under torch.export as it
+    does in eager, for inputs with no padding and no packed sequences (memplan's own).
+
+    Exporting, transformers cannot read values, so it assumes sequences may be packed and
+    materialises the causal mask it skips in eager; with a mask SDPA cannot take grouped key/value
+    heads either, so each layer repeats them. A traced pipeline stage would then save a float mask
+    and repeated keys and values per layer and microbatch that the eager step never makes.
+    """
+    module = sys.modules.get(_HF_MASKING)
+    names = ("is_torchdynamo_exporting", "find_packed_sequence_indices")
+    if not model_inputs_are_unpacked or module is None or not all(hasattr(module, n) for n in names):
+        yield
+        return
+    originals = {n: getattr(module, n) for n in names}
+    module.is_torchdynamo_exporting = _not_fake  # not exporting: the mask may be skipped
+    module.find_packed_sequence_indices = _not_packed
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(module, name, original)
+
+
+def _not_packed(_position_ids: torch.Tensor) -> None:
+    return None
 
 
 def _keep(tensor: torch.Tensor, *_args, **_kwargs) -> torch.Tensor:
