@@ -24,7 +24,14 @@ from torch import nn
 from planner.errors import SpecError
 from planner.tracing.models import random_tokens
 
-__all__ = ["disable_kv_cache", "eager_masks_under_export", "eager_transformers", "hf_builder", "hf_max_positions", "skip_init"]
+__all__ = [
+    "disable_kv_cache",
+    "eager_masks_under_export",
+    "eager_transformers",
+    "hf_builder",
+    "hf_max_positions",
+    "skip_init",
+]
 
 
 def _build_hf(config_path: str, batch_size: int, seq_len: int) -> tuple[nn.Module, dict]:
