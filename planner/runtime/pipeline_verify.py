@@ -21,6 +21,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -165,7 +166,9 @@ def _traced_pipe(spec: str, config: TrainConfig, blocks_per_stage: tuple[int, ..
     split_spec = {f"model.{blocks[i]}": SplitPoint.BEGINNING for i in firsts}
     mb_kwargs = dict(zip(kwargs, _microbatch(kwargs.values(), micro)))
     try:
-        with warnings.catch_warnings(), eager_masks_under_export():
+        # ids without positions or a padding mask: transformers' eager step skips the causal mask
+        unpacked = not {"position_ids", "attention_mask"} & set(kwargs) and len(args) <= 1
+        with warnings.catch_warnings(), eager_masks_under_export() if unpacked else nullcontext():
             warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own pytree deprecations
             pipe = pipeline(
                 _Step(model), mb_args=tuple(_microbatch(args, micro)), mb_kwargs=mb_kwargs, split_spec=split_spec

@@ -136,9 +136,9 @@ def eager_transformers() -> Iterator[None]:
 
 
 @contextmanager
-def eager_masks_under_export(model_inputs_are_unpacked: bool = True) -> Iterator[None]:
-    """While active, transformers builds a training step's attention mask under torch.export as it
-    does in eager, for inputs with no padding and no packed sequences (memplan's own).
+def eager_masks_under_export() -> Iterator[None]:
+    """While active, transformers builds the attention mask under torch.export as it does in eager
+    for a step whose inputs give no positions and no padding mask (sequences neither packed nor padded).
 
     Exporting, transformers cannot read values, so it assumes sequences may be packed and
     materialises the causal mask it skips in eager; with a mask SDPA cannot take grouped key/value
@@ -147,7 +147,7 @@ def eager_masks_under_export(model_inputs_are_unpacked: bool = True) -> Iterator
     """
     module = sys.modules.get(_HF_MASKING)
     names = ("is_torchdynamo_exporting", "find_packed_sequence_indices")
-    if not model_inputs_are_unpacked or module is None or not all(hasattr(module, n) for n in names):
+    if module is None or not all(hasattr(module, n) for n in names):
         yield
         return
     originals = {n: getattr(module, n) for n in names}
