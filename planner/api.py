@@ -229,6 +229,23 @@ def plan_pipeline_model(
     return result, plans, uniform
 
 
+def diagnose_layout_model(spec: str, config: TrainConfig, *, time_limit_s: float = DEFAULT_TIME_LIMIT_S):
+    """Diagnose a parallel job (``config`` with tp, cp, ep or pp > 1) on its worst rank, with its
+    remedies simulated on every rank (planner.analysis.diagnose_layout.diagnose_layout)."""
+    from planner.analysis.diagnose_layout import PlannedLayout, diagnose_layout
+
+    def plan(new: TrainConfig, budget_bytes: int) -> PlannedLayout:
+        if new.pp > 1:
+            result, plans, _ = plan_pipeline_model(spec, new, budget_bytes, time_limit_s=time_limit_s)
+            added = result.step_s_with / result.step_s_without - 1.0 if result.step_s_without > 0 else 0.0
+            decisions = sum(len(stage.plan.decisions) for stage in plans.stages)
+            return PlannedLayout(max(r.peak_with for r in result.ranks), added, decisions)
+        planned, _, _ = plan_model(spec, new, budget_bytes, time_limit_s=time_limit_s)
+        return PlannedLayout(planned.predicted.peak_bytes, planned.predicted.overhead, len(planned.decisions))
+
+    return diagnose_layout(spec, config, lambda new: simulate_layout(spec, new), plan)
+
+
 @dataclass(frozen=True)
 class VerifyResult:
     """Predicted against measured peak of one real step on this machine."""

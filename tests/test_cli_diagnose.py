@@ -45,6 +45,16 @@ def test_diagnose_model_prints_verdict_and_remedies(tmp_path, capsys):
     assert d["longest_fitting_seq_len"] < 128
 
 
+def test_diagnose_a_pipeline_names_its_worst_rank(tmp_path, capsys):
+    p = tmp_path / "d.json"
+    argv = ["diagnose", "--model", "llama-7b-tiny", "--gpu", "a100-40gb", "--seq-len", "64", "--batch-size", "4"]
+    code, out, err = run([*argv, "--pp", "2", "--dp", "2", "--zero", "3", "--json", str(p)], capsys)
+    assert code == 0, err
+    assert "ZeRO-3 dp 2 --pp 2 (4 GPUs)" in out and "verdict: fits" in out and "on rank 0 (pp=0" in out
+    d = json.loads(p.read_text())
+    assert d["verdict"] == "fits" and d["config"]["pp"] == 2 and d["remedies"] == []
+
+
 def test_diagnose_fits(capsys):
     code, out, err = run(["diagnose", "--model", "gpt2-tiny", "--gpu", "h100-80gb", "--seq-len", "64"], capsys)
     assert code == 0, err

@@ -92,7 +92,6 @@ def test_layouts_memplan_does_not_model_are_refused_in_one_line(capsys):
     cases = [
         (["plan", *base, "--ep", "2", "--dp", "2", "--out", "unused.json"], "--ep"),
         (["fit", *base, "--tp", "2", "--gpus", "8"], "--gpus"),
-        (["diagnose", *base, "--pp", "2"], "memplan simulate --pp 2"),
         (["simulate", *base, "--pp", "2", "--pp-schedule", "zero-bubble"], "--pp-schedule"),
         (["simulate", *base, "--pp", "2", "--pp-split", "1,2,3"], "--pp-split"),
         (["simulate", *base, "--pp", "2", "--microbatches", "4"], "--microbatches"),

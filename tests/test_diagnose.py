@@ -133,3 +133,47 @@ def test_snapshot_and_oom_message_wrappers() -> None:
     assert explained.requested_bytes == 2 * 2**30
     with pytest.raises(ValueError):
         diagnose_oom_message("hello")
+
+
+# -- parallel layouts (planner.analysis.diagnose_layout through planner.api) ------------------------
+def _tiny_device(tmp_path, memory_bytes: int) -> str:
+    """A device profile like an H100 with `memory_bytes` of memory (so a tiny model runs out)."""
+    import json
+    from dataclasses import replace
+
+    from costmodels.hardware import get_device, profile_dict
+
+    path = tmp_path / "tiny-gpu.json"
+    device = replace(get_device("h100-80gb"), name="tiny-gpu", memory_bytes=memory_bytes)
+    path.write_text(json.dumps(profile_dict(device, {})))
+    return str(path)
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2, "microbatches": 4}])
+def test_layout_diagnosis_names_the_worst_rank_and_simulates_each_remedy(tmp_path, layout) -> None:
+    from planner.api import diagnose_layout_model, simulate_layout
+
+    base = TrainConfig(batch_size=16, seq_len=64, **layout)  # activations well above the model states
+    no_plan = simulate_layout("llama-7b-tiny", base.with_(gpu="h100-80gb")).peak_bytes
+    config = base.with_(gpu=_tiny_device(tmp_path, int(no_plan * 0.9)))
+    d = diagnose_layout_model("llama-7b-tiny", config, time_limit_s=5.0)
+    assert d.verdict == "oom-iteration" and d.peak_bytes == no_plan
+    assert "on rank 0 (pp=0" in d.summary
+    names = [r.name for r in d.remedies]
+    assert len(names) == len(set(names)) and {"8-bit optimizer", "FSDP over more GPUs", "checkpoint plan"} <= set(names)
+    assert [r.fits for r in d.remedies] == sorted((r.fits for r in d.remedies), reverse=True)  # fitting first
+    for r in d.remedies:
+        assert r.fits == (r.peak_bytes <= d.capacity_bytes) or "smallest reachable" in r.note
+        if r.name == "8-bit optimizer":  # a remedy's peak is its layout's every-rank simulation
+            assert r.peak_bytes == simulate_layout("llama-7b-tiny", config.with_(optimizer="adamw-8bit")).peak_bytes
+        if r.name == "FSDP over more GPUs":
+            assert r.config_changes["dp"] == 2 and r.config_changes["zero_stage"] == 3
+    plan = next(r for r in d.remedies if r.name == "checkpoint plan")
+    assert plan.fits and plan.peak_bytes < no_plan
+
+
+def test_layout_diagnosis_fits_on_a_large_device() -> None:
+    from planner.api import diagnose_layout_model
+
+    d = diagnose_layout_model("llama-7b-tiny", TrainConfig(batch_size=2, seq_len=32, tp=2, gpu="h100-80gb"))
+    assert d.verdict == "fits" and not d.remedies and d.headroom_bytes > 0

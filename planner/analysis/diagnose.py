@@ -37,6 +37,8 @@ __all__ = [
     "allocator_events",
     "allocator_estimate",
     "VERDICTS",
+    "classify",
+    "summary",
 ]
 
 VERDICTS = ("oom-init", "oom-iteration", "at-risk", "fits")
@@ -334,6 +336,18 @@ def _relative_time_s(predicted: Predicted, base: Timeline) -> float:
     return predicted.step_s / base.costs.step_s - 1.0 if base.costs.step_s > 0 else 0.0
 
 
+def classify(model_state_bytes: int, peak_bytes: int, capacity_bytes: int, expected_overhead_bytes: int) -> str:
+    """The verdict (one of VERDICTS) of a device's step: its model states, its peak, and the
+    allocator overhead expected on top of that peak."""
+    if model_state_bytes > capacity_bytes:
+        return "oom-init"
+    if peak_bytes > capacity_bytes:
+        return "oom-iteration"
+    if capacity_bytes - peak_bytes < expected_overhead_bytes:
+        return "at-risk"
+    return "fits"
+
+
 # -- entry points -----------------------------------------------------------------------------------
 def diagnose(
     spec: str, config: TrainConfig, *, remedies: bool = True, time_limit_s: float = DEFAULT_TIME_LIMIT_S
@@ -348,14 +362,7 @@ def diagnose(
     fragmentation = max(estimate.peak_reserved_bytes - estimate.peak_allocated_bytes, 0)
     expected = max(fragmentation, int(capacity * MIN_FRAGMENTATION_FRACTION))
     headroom = capacity - tl.peak_bytes
-    if states > capacity:
-        verdict = "oom-init"
-    elif tl.peak_bytes > capacity:
-        verdict = "oom-iteration"
-    elif headroom < expected:
-        verdict = "at-risk"
-    else:
-        verdict = "fits"
+    verdict = classify(states, tl.peak_bytes, capacity, expected)
     longest = _longest_seq(traces, config, capacity) if verdict == "oom-iteration" else None
     found = _remedies(traces, config, tl, verdict, capacity, time_limit_s) if remedies and verdict != "fits" else []
     allocator = {
@@ -384,21 +391,23 @@ def diagnose(
         expected_overhead_bytes=expected,
         longest_fitting_seq_len=longest,
         remedies=tuple(found),
-        summary=_summary(verdict, spec, config, tl, states, capacity, expected, longest),
+        summary=summary(verdict, config, tl, states, capacity, expected, longest),
     )
 
 
-def _summary(
+def summary(
     verdict: str,
-    spec: str,
     config: TrainConfig,
     tl: Timeline,
     states: int,
     capacity: int,
     expected: int,
     longest: int | None,
+    rank: str = "",
 ) -> str:
-    where = f"{tl.peak_phase} at {tl.peak_op} (module '{tl.peak_module or '<root>'}')"
+    """One line on a verdict: where the peak is, against the device (`tl`: the step, or a parallel
+    job's worst rank, named by `rank`; `longest`: the longest sequence that fits, 0 when not searched)."""
+    where = f"{tl.peak_phase} at {tl.peak_op} (module '{tl.peak_module or '<root>'}'){rank}"
     if verdict == "oom-init":
         return (
             f"out of memory before the first step: model states need {format_bytes(states)} per device, "
@@ -409,6 +418,8 @@ def _summary(
             f"; the longest sequence that fits is {longest}"
             if longest
             else "; no sequence length fits at this batch size"
+            if longest is None
+            else ""
         )
         peak, device, verdict_text = (
             format_bytes(tl.peak_bytes),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from planner.cli import report
 from planner.cli.guard import guarded_imports
-from planner.cli.options import add_model_options, config_from_args, refuse_layout, write_json
+from planner.cli.options import add_model_options, config_from_args, write_json
 from planner.config import DEFAULT_TIME_LIMIT_S
 from planner.safe_io import clean  # snapshot text (pools, frames) may carry escape sequences
 from planner.units import format_bytes
@@ -79,13 +79,18 @@ def run(args) -> None:
     if not args.model:
         raise ValueError(_NEEDS_INPUT)
     config = config_from_args(args)
-    refuse_layout(config, "diagnose")
-    with guarded_imports():
-        from planner.analysis.diagnose import diagnose
-    d = diagnose(args.model, config, time_limit_s=args.time_limit)
+    if config.layout_flags:
+        with guarded_imports():
+            from planner.api import diagnose_layout_model
+        d = diagnose_layout_model(args.model, config, time_limit_s=args.time_limit)
+    else:
+        with guarded_imports():
+            from planner.analysis.diagnose import diagnose
+        d = diagnose(args.model, config, time_limit_s=args.time_limit)
+    layout = f" {config.layout_flags} ({config.world_size} GPUs)" if config.layout_flags else ""
     print(
         f"{args.model} batch {config.batch_size} seq {config.seq_len} {config.precision} {config.optimizer} "
-        f"ZeRO-{config.zero_stage} dp {config.dp} on {config.gpu} ({_fb(d.capacity_bytes)})"
+        f"ZeRO-{config.zero_stage} dp {config.dp}{layout} on {config.gpu} ({_fb(d.capacity_bytes)})"
     )
     print(f"verdict: {d.verdict} ({d.summary})")
     print(
@@ -93,11 +98,14 @@ def run(args) -> None:
         "model states " + ", ".join(f"{k} {_fb(v)}" for k, v in d.model_states.items())
     )
     a = d.allocator
-    print(
-        f"allocator estimate: peak allocated {_fb(a['peak_allocated_bytes'])}, reserved "
-        f"{_fb(a['peak_reserved_bytes'])}, fragmentation {_fb(a['fragmentation_bytes'])}; "
-        f"expected overhead {_fb(d.expected_overhead_bytes)}"
-    )
+    if "peak_reserved_bytes" in a:
+        print(
+            f"allocator estimate: peak allocated {_fb(a['peak_allocated_bytes'])}, reserved "
+            f"{_fb(a['peak_reserved_bytes'])}, fragmentation {_fb(a['fragmentation_bytes'])}; "
+            f"expected overhead {_fb(d.expected_overhead_bytes)}"
+        )
+    else:  # a parallel layout: the allocator replay models one device's step
+        print(f"expected allocator overhead {_fb(d.expected_overhead_bytes)} (2% of the device)")
     if d.remedies:
         rows = [
             [r.name, r.description, _fb(r.peak_bytes), "yes" if r.fits else "no", _pct(r.overhead), r.note]

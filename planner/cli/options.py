@@ -18,7 +18,6 @@ __all__ = [
     "add_layout_options",
     "config_from_args",
     "default_seq_len",
-    "refuse_layout",
     "write_json",
 ]
 
@@ -224,15 +223,6 @@ def config_from_args(args, seq_len: int | None = None) -> TrainConfig:
         stages_per_rank=args.stages_per_rank,
         pp_split=args.pp_split,
     )
-
-
-def refuse_layout(config: TrainConfig, command: str) -> None:
-    """One line for a command that does not model tensor or pipeline parallel yet."""
-    if config.layout_flags:
-        raise ValueError(
-            f"memplan {command} does not model {config.layout_flags} yet; see every rank with memplan simulate "
-            f"{config.layout_flags}"
-        )
 
 
 def write_json(path: str | None, payload: dict) -> None:
