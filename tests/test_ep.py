@@ -207,10 +207,17 @@ def test_an_expert_state_shape_sharded_over_dp_is_the_shard_fsdp2_keeps(local, e
     assert kept == padded_bytes((local, 3), 2, expert_ranks) // expert_ranks
 
 
-def test_commands_without_ep_refuse_it_in_one_line(capsys):
-    base = ["--model", TITAN_MOE, "--seq-len", "64", "--dp", "2", "--ep", "2"]
-    code, _, err = run(["diagnose", *base], capsys)
-    assert_user_error(code, err, "diagnose", "memplan simulate --ep 2")
+def test_diagnose_names_the_worst_expert_parallel_rank(capsys, tmp_path):
+    out = tmp_path / "d.json"
+    base = ["--model", TITAN_MOE, "--seq-len", "64", "--dp", "2", "--ep", "2", "--moe-imbalance", "2"]
+    code, stdout, err = run(["diagnose", *base, "--json", str(out)], capsys)
+    assert code == 0, err
+    simulated = tmp_path / "s.json"
+    code, _, err = run(["simulate", *base, "--json", str(simulated)], capsys)
+    assert code == 0, err
+    worst = json.loads(simulated.read_text())["worst_rank"]
+    assert f"on rank {worst} (pp=0, dp=" in stdout
+    assert json.loads(out.read_text())["peak_bytes"] == json.loads(simulated.read_text())["peak_bytes"]
 
 
 def test_ep_plan_function_that_raises_is_one_line(capsys, tmp_path):
