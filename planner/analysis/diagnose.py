@@ -38,6 +38,7 @@ __all__ = [
     "allocator_estimate",
     "VERDICTS",
     "classify",
+    "diagnosis_of",
     "summary",
 ]
 
@@ -361,7 +362,6 @@ def diagnose(
     estimate = allocator_estimate(graph, config)
     fragmentation = max(estimate.peak_reserved_bytes - estimate.peak_allocated_bytes, 0)
     expected = max(fragmentation, int(capacity * MIN_FRAGMENTATION_FRACTION))
-    headroom = capacity - tl.peak_bytes
     verdict = classify(states, tl.peak_bytes, capacity, expected)
     longest = _longest_seq(traces, config, capacity) if verdict == "oom-iteration" else None
     found = _remedies(traces, config, tl, verdict, capacity, time_limit_s) if remedies and verdict != "fits" else []
@@ -374,6 +374,24 @@ def diagnose(
         ),
         "expected_reserved_bytes": tl.peak_bytes + expected,
     }
+    text = summary(verdict, config, tl, states, capacity, expected, longest)
+    return diagnosis_of(spec, config, tl, capacity, verdict, states, allocator, expected, longest, tuple(found), text)
+
+
+def diagnosis_of(
+    spec: str,
+    config: TrainConfig,
+    tl: Timeline,
+    capacity: int,
+    verdict: str,
+    states: int,
+    allocator: dict,
+    expected: int,
+    longest: int | None,
+    remedies: tuple[Remedy, ...],
+    summary: str,
+) -> Diagnosis:
+    """The Diagnosis of the step `tl` (a device's, or a parallel job's worst rank's)."""
     return Diagnosis(
         model=spec,
         config=config.to_dict(),
@@ -386,12 +404,12 @@ def diagnose(
         breakdown_at_peak=dict(tl.breakdown_at_peak),
         model_states=dict(tl.model_states),
         model_state_bytes=states,
-        headroom_bytes=headroom,
+        headroom_bytes=capacity - tl.peak_bytes,
         allocator=allocator,
         expected_overhead_bytes=expected,
         longest_fitting_seq_len=longest,
-        remedies=tuple(found),
-        summary=summary(verdict, config, tl, states, capacity, expected, longest),
+        remedies=remedies,
+        summary=summary,
     )
 
 

@@ -20,6 +20,7 @@ from planner.analysis.diagnose import (
     Diagnosis,
     Remedy,
     classify,
+    diagnosis_of,
     summary,
 )
 from planner.config import DEFAULT_RESERVE, TrainConfig
@@ -88,25 +89,9 @@ def diagnose_layout(
     if remedies and verdict != "fits":
         found = _remedies(config, base, verdict, capacity, simulate_layout, plan_layout)
     rank = f" on rank {worst.ranks[0]} ({', '.join(f'{k}={v}' for k, v in worst.coords.to_dict().items())})"
-    return Diagnosis(
-        model=spec,
-        config=config.to_dict(),
-        capacity_bytes=capacity,
-        verdict=verdict,
-        peak_bytes=tl.peak_bytes,
-        peak_phase=tl.peak_phase,
-        peak_op=tl.peak_op,
-        peak_module=tl.peak_module,
-        breakdown_at_peak=dict(tl.breakdown_at_peak),
-        model_states=dict(tl.model_states),
-        model_state_bytes=states,
-        headroom_bytes=capacity - tl.peak_bytes,
-        allocator={"peak_allocated_bytes": tl.peak_bytes, "expected_reserved_bytes": tl.peak_bytes + expected},
-        expected_overhead_bytes=expected,
-        longest_fitting_seq_len=None,
-        remedies=tuple(found),
-        summary=summary(verdict, config, tl, states, capacity, expected, 0, rank=rank),
-    )
+    allocator = {"peak_allocated_bytes": tl.peak_bytes, "expected_reserved_bytes": tl.peak_bytes + expected}
+    text = summary(verdict, config, tl, states, capacity, expected, 0, rank=rank)
+    return diagnosis_of(spec, config, tl, capacity, verdict, states, allocator, expected, None, tuple(found), text)
 
 
 def _candidates(config: TrainConfig, verdict: str) -> list[_Change]:
