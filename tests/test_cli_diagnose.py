@@ -53,6 +53,7 @@ def test_diagnose_a_pipeline_names_its_worst_rank(tmp_path, capsys):
     assert "ZeRO-3 dp 2 --pp 2 (4 GPUs)" in out and "verdict: fits" in out and "on rank 0 (pp=0" in out
     d = json.loads(p.read_text())
     assert d["verdict"] == "fits" and d["config"]["pp"] == 2 and d["remedies"] == []
+    assert [r["coords"]["pp"] for r in d["ranks"]] == [0, 1] and "coords (first)" in out
 
 
 def test_diagnose_fits(capsys):

@@ -86,10 +86,13 @@ class Diagnosis:
     longest_fitting_seq_len: int | None  # oom-iteration only: longest sequence that fits (None: none)
     remedies: tuple[Remedy, ...] = field(default=())
     summary: str = ""
+    ranks: tuple[dict, ...] = ()  # a parallel job's rank roles (simulate's "ranks" entries); none for one device
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["remedies"] = [r.to_dict() for r in self.remedies]
+        if not self.ranks:
+            del out["ranks"]
         return out
 
 
@@ -390,8 +393,9 @@ def diagnosis_of(
     longest: int | None,
     remedies: tuple[Remedy, ...],
     summary: str,
+    ranks: tuple[dict, ...] = (),
 ) -> Diagnosis:
-    """The Diagnosis of the step `tl` (a device's, or a parallel job's worst rank's)."""
+    """The Diagnosis of the step `tl` (a device's, or a parallel job's worst rank's, with its `ranks`)."""
     return Diagnosis(
         model=spec,
         config=config.to_dict(),
@@ -410,6 +414,7 @@ def diagnosis_of(
         longest_fitting_seq_len=longest,
         remedies=remedies,
         summary=summary,
+        ranks=ranks,
     )
 
 

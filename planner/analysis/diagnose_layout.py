@@ -89,9 +89,12 @@ def diagnose_layout(
     if remedies and verdict != "fits":
         found = _remedies(config, base, verdict, capacity, simulate_layout, plan_layout)
     rank = f" on rank {worst.ranks[0]} ({', '.join(f'{k}={v}' for k, v in worst.coords.to_dict().items())})"
+    ranks = tuple(role.to_dict() for role in layout.roles)
     allocator = {"peak_allocated_bytes": tl.peak_bytes, "expected_reserved_bytes": tl.peak_bytes + expected}
     text = summary(verdict, config, tl, states, capacity, expected, 0, rank=rank)
-    return diagnosis_of(spec, config, tl, capacity, verdict, states, allocator, expected, None, tuple(found), text)
+    return diagnosis_of(
+        spec, config, tl, capacity, verdict, states, allocator, expected, None, tuple(found), text, ranks
+    )
 
 
 def _candidates(config: TrainConfig, verdict: str) -> list[_Change]:

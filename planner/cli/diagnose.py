@@ -92,6 +92,8 @@ def run(args) -> None:
         f"{args.model} batch {config.batch_size} seq {config.seq_len} {config.precision} {config.optimizer} "
         f"ZeRO-{config.zero_stage} dp {config.dp}{layout} on {config.gpu} ({_fb(d.capacity_bytes)})"
     )
+    if d.ranks:
+        print(report.ranks_table(d.ranks))
     print(f"verdict: {d.verdict} ({d.summary})")
     print(
         f"peak {_fb(d.peak_bytes)} in {d.peak_phase} at {d.peak_op} (module '{d.peak_module or '<root>'}'); "

@@ -71,21 +71,26 @@ def _worst_rank_note(result: dict) -> str:
     return f" (worst rank {result['worst_rank']} of {result['layout']['world_size']})"
 
 
-def _ranks_lines(result: dict) -> list[str]:
-    """A layout's roles (their ranks, coordinates, peak) and which rank is the worst."""
+def ranks_table(roles: Sequence[dict]) -> str:
+    """A layout's rank roles (the ``"ranks"`` JSON entries): their ranks, coordinates and peak."""
     rows = []
-    for role in result["ranks"]:
+    for role in roles:
         ranks = role["ranks"]
         shown = ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]},{ranks[1]},...,{ranks[-1]}"
         coords = " ".join(f"{k}={v}" for k, v in role["coords"].items())
         rows.append([shown, coords, format_bytes(role["peak_bytes"]), role["peak_phase"], role["peak_op"]])
+    return table(["ranks", "coords (first)", "peak", "phase", "op at peak"], rows)
+
+
+def _ranks_lines(result: dict) -> list[str]:
+    """A layout's roles (their ranks, coordinates, peak) and which rank is the worst."""
     layout = " × ".join(f"{d} {result['layout'][d]}" for d in ("pp", "dp", "cp", "tp") if result["layout"][d] > 1)
     if result["layout"].get("ep", 1) > 1:
         layout += f", ep {result['layout']['ep']} within dp × cp"
     return [
         f"{result['layout']['world_size']} ranks ({layout}), {len(result['ranks'])} distinct; worst rank "
         f"{result['worst_rank']}, whose step is shown below",
-        table(["ranks", "coords (first)", "peak", "phase", "op at peak"], rows),
+        ranks_table(result["ranks"]),
         "",
     ]
 
