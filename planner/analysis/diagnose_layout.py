@@ -149,13 +149,15 @@ def _remedies(
         changes = {k: v for k, v in change.config.to_dict().items() if before.get(k) != v}
         fits = result.peak_bytes <= capacity
         out.append(Remedy(change.name, change.description, changes, result.peak_bytes, fits, overhead, change.note))
-    if verdict != "oom-init":
-        out.append(_plan_remedy(config, capacity, plan_layout))
+    planned = _plan_remedy(config, base.peak_bytes, capacity, plan_layout) if verdict != "oom-init" else None
+    if planned is not None:
+        out.append(planned)
     out.sort(key=lambda r: (not r.fits, r.overhead, r.peak_bytes))
     return out
 
 
-def _plan_remedy(config: TrainConfig, capacity: int, plan_layout: LayoutPlanner) -> Remedy:
+def _plan_remedy(config: TrainConfig, peak_bytes: int, capacity: int, plan_layout: LayoutPlanner) -> Remedy | None:
+    """A plan for every rank under 95% of the device (None where memplan cannot plan this layout)."""
     budget = int(capacity * (1 - DEFAULT_RESERVE))
     what = "memplan plan --pp: a plan per stage" if config.pp > 1 else "memplan plan: a plan for the worst rank"
     remedy = Remedy(
@@ -164,10 +166,12 @@ def _plan_remedy(config: TrainConfig, capacity: int, plan_layout: LayoutPlanner)
     try:
         planned = plan_layout(config, budget)
     except InfeasibleBudget as exc:
-        peak = exc.smallest_peak_bytes or 0
+        peak = exc.smallest_peak_bytes if exc.smallest_peak_bytes is not None else peak_bytes
         return replace(
             remedy, peak_bytes=peak, note="no plan reaches 95% of the device; the peak is the smallest reachable"
         )
+    except MemplanError:  # a layout the planner refuses (it says why under memplan plan)
+        return None
     return replace(
         remedy,
         peak_bytes=planned.peak_bytes,
