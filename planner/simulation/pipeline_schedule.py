@@ -20,9 +20,10 @@ from unittest import mock
 from planner.config import PP_SCHEDULES, V_SHAPED_SCHEDULES, TrainConfig
 from planner.errors import MemplanError
 
-__all__ = ["PipelineAction", "PipelineSchedule", "pipeline_schedule", "stages_of_rank"]
+__all__ = ["INPUT_GRADIENT_KINDS", "PipelineAction", "PipelineSchedule", "pipeline_schedule", "stages_of_rank"]
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
+INPUT_GRADIENT_KINDS = ("B", "I")  # the backwards that make a stage's input gradient, from the next stage's
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class PipelineSchedule:
     def recompute_runs(self, stage: int) -> int:
         """Times one step runs a recompute inside `stage`: once per backward, in B, or under a split
         backward in I (stage 0: in W, its whole backward)."""
-        kinds = ("B", "W") if stage == 0 else ("B", "I")
+        kinds = ("B", "W") if stage == 0 else INPUT_GRADIENT_KINDS
         return sum(a.kind in kinds for r in range(self.pp) for a in self.compute(r) if a.stage == stage)
 
     def compute(self, rank: int) -> tuple[PipelineAction, ...]:

@@ -51,7 +51,7 @@ from planner.simulation.effects import (
 from planner.simulation.fsdp import state_shape
 from planner.simulation.memo import memo
 from planner.simulation.pipeline_fsdp import StageFsdp, StageFsdpState, stage_fsdp, unshard_plan
-from planner.simulation.pipeline_schedule import PipelineAction, PipelineSchedule
+from planner.simulation.pipeline_schedule import INPUT_GRADIENT_KINDS, PipelineAction, PipelineSchedule
 from planner.simulation.pipeline_split import StageCut, op_stages, weight_gradient_ops
 from planner.simulation.step import Timeline
 from planner.tracing.graph import CATEGORIES, CATEGORY_INDEX, OpGraph
@@ -660,7 +660,7 @@ def _send_frees(stages: list[StageMemory], schedule: PipelineSchedule, rank: int
             consumed[(a.stage - 1, "F", a.microbatch)] = k
         if a.kind in ("B", "W"):
             last_use[(a.stage, "F", a.microbatch)] = k
-        if a.kind in ("B", "I"):
+        if a.kind in INPUT_GRADIENT_KINDS:
             last_use[(a.stage, "B", a.microbatch)] = k
             consumed.setdefault((a.stage + 1, "B", a.microbatch), k)
     out: dict[int, np.ndarray] = defaultdict(lambda: np.zeros(_NC, dtype=np.int64))

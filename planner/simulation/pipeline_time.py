@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.errors import MemplanError
-from planner.simulation.pipeline_schedule import PipelineSchedule
+from planner.simulation.pipeline_schedule import INPUT_GRADIENT_KINDS, PipelineSchedule
 from planner.simulation.pipeline_split import StageCut, weight_gradient_ops
 from planner.tracing.graph import OpGraph
 
@@ -94,7 +94,7 @@ def pipeline_time(
                 a = q[pos[r]]
                 if a.kind == "F":
                     deps = [(a.stage - 1, "F", a.microbatch)] if a.stage > 0 else []
-                elif a.kind in ("B", "I"):
+                elif a.kind in INPUT_GRADIENT_KINDS:
                     after = a.stage + 1
                     deps = (
                         [(a.stage, "F", a.microbatch)]
@@ -107,7 +107,7 @@ def pipeline_time(
                 if deps and not ready:
                     break
                 seconds = per_stage[a.kind][a.stage]
-                ahead = min(early_s[a.stage], seconds) if a.kind in ("B", "I") and early_s and ready else 0.0
+                ahead = min(early_s[a.stage], seconds) if a.kind in INPUT_GRADIENT_KINDS and early_s and ready else 0.0
                 start = max([free_at[r], *[t - ahead for t in ready]])
                 first[r] = start if first[r] is None else first[r]
                 key = (a.stage, a.kind, a.microbatch)

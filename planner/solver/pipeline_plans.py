@@ -41,7 +41,7 @@ from planner.simulation.costs import op_times
 from planner.simulation.effects import SpanChoice, choices_from_decisions, op_keys
 from planner.simulation.pipeline import auto_split_path, simulate_pipeline
 from planner.simulation.pipeline_early import runs_early
-from planner.simulation.pipeline_schedule import PipelineSchedule, pipeline_schedule
+from planner.simulation.pipeline_schedule import INPUT_GRADIENT_KINDS, PipelineSchedule, pipeline_schedule
 from planner.simulation.pipeline_split import StageCut, cut_stages
 from planner.simulation.pipeline_step import (
     StageMemory,
@@ -369,7 +369,7 @@ def _price(graph: OpGraph, schedule: PipelineSchedule, cuts: tuple[StageCut, ...
     hidden = sum(
         min(e.effect.recompute_s, w)
         for (stage, kind, _), w in waits_s.items()
-        if stage == e.stage and kind in ("B", "I")
+        if stage == e.stage and kind in INPUT_GRADIENT_KINDS
     )
     return full - hidden * (1.0 - HIDDEN_PRICE)
 
