@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -116,27 +116,38 @@ _HF_INIT = "transformers.initialization"
 _HF_MASKING = "transformers.masking_utils"
 
 
-def _not_fake(_tensor=None) -> bool:  # also: not exporting
+def _false(*_args) -> bool:
     return False
 
 
+def _none(*_args) -> None:
+    return None
+
+
 @contextmanager
-def eager_transformers() -> Iterator[None]:
-    """While active, transformers does not see fake tensors as a sign of tracing."""
-    module = sys.modules.get(_HF_IMPORT_UTILS)
-    original = getattr(module, "is_fake_tensor", None)
-    if original is None:
+def _replaced(module_name: str, replacements: dict[str, object]) -> Iterator[None]:
+    """While active, the named attributes of a loaded transformers module are `replacements`
+    (nothing changes where the module is not loaded or lacks one of them: another version)."""
+    module = sys.modules.get(module_name)
+    if module is None or not all(hasattr(module, name) for name in replacements):
         yield
         return
-    module.is_fake_tensor = _not_fake
+    originals = {name: getattr(module, name) for name in replacements}
+    for name, value in replacements.items():
+        setattr(module, name, value)
     try:
         yield
     finally:
-        module.is_fake_tensor = original
+        for name, original in originals.items():
+            setattr(module, name, original)
 
 
-@contextmanager
-def eager_masks_under_export() -> Iterator[None]:
+def eager_transformers() -> AbstractContextManager[None]:
+    """While active, transformers does not see fake tensors as a sign of tracing."""
+    return _replaced(_HF_IMPORT_UTILS, {"is_fake_tensor": _false})
+
+
+def eager_masks_under_export() -> AbstractContextManager[None]:
     """While active, transformers builds the attention mask under torch.export as it does in eager
     for a step whose inputs give no positions and no padding mask (sequences neither packed nor padded).
 
@@ -145,23 +156,8 @@ def eager_masks_under_export() -> Iterator[None]:
     heads either, so each layer repeats them. A traced pipeline stage would then save a float mask
     and repeated keys and values per layer and microbatch that the eager step never makes.
     """
-    module = sys.modules.get(_HF_MASKING)
-    names = ("is_torchdynamo_exporting", "find_packed_sequence_indices")
-    if module is None or not all(hasattr(module, n) for n in names):
-        yield
-        return
-    originals = {n: getattr(module, n) for n in names}
-    module.is_torchdynamo_exporting = _not_fake  # not exporting: the mask may be skipped
-    module.find_packed_sequence_indices = _not_packed
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(module, name, original)
-
-
-def _not_packed(_position_ids: torch.Tensor) -> None:
-    return None
+    # not exporting (the mask may be skipped), and no packed sequences
+    return _replaced(_HF_MASKING, {"is_torchdynamo_exporting": _false, "find_packed_sequence_indices": _none})
 
 
 def _keep(tensor: torch.Tensor, *_args, **_kwargs) -> torch.Tensor:
