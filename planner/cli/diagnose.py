@@ -100,14 +100,14 @@ def run(args) -> None:
         "model states " + ", ".join(f"{k} {_fb(v)}" for k, v in d.model_states.items())
     )
     a = d.allocator
-    if "peak_reserved_bytes" in a:
+    if d.ranks:  # a parallel job: the allocator replay models one device's step
+        print(f"expected allocator overhead {_fb(d.expected_overhead_bytes)} (2% of the device)")
+    else:
         print(
             f"allocator estimate: peak allocated {_fb(a['peak_allocated_bytes'])}, reserved "
             f"{_fb(a['peak_reserved_bytes'])}, fragmentation {_fb(a['fragmentation_bytes'])}; "
             f"expected overhead {_fb(d.expected_overhead_bytes)}"
         )
-    else:  # a parallel layout: the allocator replay models one device's step
-        print(f"expected allocator overhead {_fb(d.expected_overhead_bytes)} (2% of the device)")
     if d.remedies:
         rows = [
             [r.name, r.description, _fb(r.peak_bytes), "yes" if r.fits else "no", _pct(r.overhead), r.note]
