@@ -21,7 +21,7 @@ TITAN = f"{HERE / 'tp_models.py'}:titan_small"
 TITAN_UNEVEN = f"{HERE / 'tp_models.py'}:titan_uneven_vocab"
 HF_LLAMA = f"hf:{HERE / 'data' / 'tiny_llama' / 'config.json'}"
 HF_LLAMA_TIED = f"hf:{HERE / 'data' / 'tiny_llama_tied' / 'config.json'}"  # lm_head.weight is embed_tokens.weight
-SPECS = {"titan": TITAN, "hf-llama": HF_LLAMA, "memplan-llama": "llama-7b-tiny"}
+SPECS = {"titan": TITAN, "hf-llama": HF_LLAMA, "memplan-llama": "llama-7b-tiny", "memplan-gpt2": "gpt2-tiny"}
 TOLERANCE = 0.01  # the issue asks for 3% and aims at 1%
 
 
@@ -103,6 +103,52 @@ def test_tied_embeddings_are_sharded_once_and_stay_tied():
     assert tied["parameter"] == untied["parameter"] - head_bytes
     norms_bytes = 5 * 128 * 4  # two per layer and the final one, replicated on both ranks
     assert 2 * tied["parameter"] == whole["parameter"] + norms_bytes
+
+
+@pytest.mark.parametrize("name", ["opt", "gpt_neo", "gpt2"])
+def test_memplan_plan_keeps_a_tied_head_one_tensor(name):
+    """memplan's plan shards the embedding rowwise and the head colwise (both split the vocabulary);
+    where they are one tensor, the head is tied again to the embedding's shard, and a rank holds the
+    vocabulary table once."""
+    import torch
+
+    from planner.tracing.parallel.rank_trace import fake_process_group
+    from planner.tracing.parallel.tp_plans import resolve_tp_plan
+
+    model, _ = resolve_spec(_other_layout(name)).build(batch_size=2, seq_len=32)
+    embedding = model.get_input_embeddings()
+    assert model.get_output_embeddings().weight is embedding.weight
+    with fake_process_group(0, 2):
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        resolve_tp_plan("auto", sequence_parallel=False)(model, mesh)
+        assert model.get_output_embeddings().weight is embedding.weight
+        assert embedding.weight.to_local().shape[0] == embedding.num_embeddings // 2
+
+
+def test_fused_qkv_rows_are_sharded_per_section():
+    """A fused [q | k | v] projection's rows reordered rank-major: chunk r holds the r-th share of
+    q, then of k, then of v, so each rank computes whole heads of all three."""
+    from planner.tracing.parallel.projection_styles import rank_major_order
+
+    assert rank_major_order(12, 3, 2).tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
+    assert rank_major_order(6, 3, 1).tolist() == list(range(6))
+
+
+def test_gpt2_under_sequence_parallel_cuts_its_positions_to_the_sequence_share():
+    """memplan's GPT-2 (fused q/k/v, learned positions, a tied head) under TP 2 with sequence
+    parallel: every parameter halves except the replicated norms, biases of row-parallel projections
+    and position table; the position rows a rank adds are its half of the sequence."""
+    from planner.api import simulate_model
+    from planner.tracing.parallel.rank_trace import trace_tp_rank
+
+    config = _config(tp=2).with_(seq_len=64)
+    whole = simulate_model("gpt2-tiny", config.with_(tp=1)).model_states["parameter"]
+    sharded = simulate_ranks("gpt2-tiny", config).roles[0].timeline.model_states["parameter"]
+    embed, layers, positions = 64, 2, 128
+    replicated = 4 * (layers * (4 * embed + 2 * embed) + 2 * embed + positions * embed)
+    assert sharded == (whole - replicated) // 2 + replicated
+    graph, _ = trace_tp_rank("gpt2-tiny", config, 0, lifetimes=False)
+    assert (32, embed) in {t.shape for t in graph.tensors.values()}
 
 
 def test_uneven_vocab_makes_two_roles():
@@ -316,6 +362,7 @@ OTHER_LAYOUTS = {  # transformers models that ship no TP plan, laid out unlike L
         ("intermediate.dense",),
         "output.dense",
     ),
+    "gpt2": ("attn", ("attn.c_attn",), "attn.c_proj", ("mlp.c_fc",), "mlp.c_proj"),  # Conv1D, fused q/k/v
     "vit": (  # transformers 5 lays ViT out as Llama's projections with a plain MLP
         "attention",
         ("attention.q_proj", "attention.k_proj", "attention.v_proj"),
@@ -331,10 +378,11 @@ def _other_layout(name: str) -> str:
 
 
 @pytest.mark.parametrize("name", list(OTHER_LAYOUTS))
-def test_memplan_plan_recognises_opt_gpt_neo_bert_and_vit_blocks(name):
+def test_memplan_plan_recognises_opt_gpt_neo_bert_gpt2_and_vit_blocks(name):
     """OPT (projections on the block), GPT-Neo (attention one level down, plain MLP), BERT (q/k/v in
-    attention.self, the output projection beside it) and ViT (a plain MLP): every block recognised
-    with the paths of its projections, and a TP rank holds less than the whole model."""
+    attention.self, the output projection beside it), GPT-2 (Conv1D projections, q/k/v fused) and
+    ViT (a plain MLP): every block recognised with the paths of its projections, and a TP rank holds
+    less than the whole model."""
     from planner.tracing.parallel.tp_plans import decoder_blocks
 
     model, _ = resolve_spec(_other_layout(name)).build(batch_size=2, seq_len=32)
@@ -374,8 +422,8 @@ def test_an_attention_with_per_head_parameters_is_not_recognised():
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_memplan_plan_on_other_transformers_layouts_matches_gloo_ranks():
-    """OPT, GPT-Neo, BERT and ViT under memplan's plan (--no-sp) on 2 gloo ranks: every rank's peak
-    to the byte, gradients equal to one process."""
+    """OPT, GPT-Neo, BERT, GPT-2 and ViT under memplan's plan (--no-sp) on 2 gloo ranks: every rank's
+    peak to the byte, gradients equal to one process (a tied head's too)."""
     config = _config(tp=2, sequence_parallel=False).with_(seq_len=32)
     cases = {name: _other_layout(name) for name in OTHER_LAYOUTS}
     measured = run_on_ranks([(key, spec, config, None) for key, spec in cases.items()], config.world_size)
@@ -386,13 +434,21 @@ def test_memplan_plan_on_other_transformers_layouts_matches_gloo_ranks():
         assert grad_error == 0.0, key
 
 
-def test_a_bias_added_to_sharded_logits_says_no_loss_parallel(capsys):
-    """BART adds a plain bias to its logits, which loss parallel leaves sharded: the trace error says
-    to try --no-loss-parallel, and with it BART's encoder and decoder blocks shard (the decoder's
-    self-attention; its cross-attention stays replicated)."""
-    argv = ["simulate", "--model", f"hf:{HERE / 'data' / 'bart_tiny' / 'config.json'}", "--seq-len", "32"]
-    argv += ["--batch-size", "2", "--tp", "2", "--no-sp"]
-    code, _, err = run(argv, capsys)
+def test_a_bias_added_to_sharded_logits_says_no_loss_parallel(capsys, tmp_path):
+    """BART adds a plain bias to its logits. With its head untied, loss parallel leaves them sharded:
+    the trace error says to try --no-loss-parallel, and with it BART's encoder and decoder blocks
+    shard (the decoder's self-attention; its cross-attention stays replicated). Tied (BART's
+    default), its head shares the embeddings of the encoder and decoder, which the plan does not
+    shard alike: they stay whole, one tensor, and the step runs with loss parallel."""
+    import json
+
+    tied_config = HERE / "data" / "bart_tiny" / "config.json"
+    untied_config = tmp_path / "config.json"
+    untied_config.write_text(json.dumps({**json.loads(tied_config.read_text()), "tie_word_embeddings": False}))
+    argv = ["simulate", "--seq-len", "32", "--batch-size", "2", "--tp", "2", "--no-sp"]
+    code, _, err = run([*argv, "--model", f"hf:{untied_config}"], capsys)
     assert_user_error(code, err, "simulate", "--no-loss-parallel", "--tp-plan PATH.py:FUNC")
-    code, _, err = run([*argv, "--no-loss-parallel"], capsys)
+    code, _, err = run([*argv, "--model", f"hf:{untied_config}", "--no-loss-parallel"], capsys)
+    assert code == 0, err
+    code, _, err = run([*argv, "--model", f"hf:{tied_config}"], capsys)
     assert code == 0, err

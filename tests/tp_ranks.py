@@ -4,7 +4,7 @@ A case is (key, model spec, TrainConfig, plan dict or None); every case of one c
 config.world_size ranks (planner.runtime.parallel_verify.run_on_gloo_ranks). Each rank builds the
 model from the same seed and shards it as memplan simulates it (the TP plan, the memplan plan,
 then fully_shard on the dp submesh with --zero 3), checks its first gradients against one
-unsharded process (plan cases), then measures a steady-state step.
+unsharded process, then measures a steady-state step.
 """
 
 from __future__ import annotations
@@ -13,11 +13,23 @@ import torch
 
 from planner import load_plan
 from planner.runtime.parallel_verify import build_parallel_model, measure_parallel_step, run_on_gloo_ranks
-from planner.tracing.parallel.tp_plans import step_context
+from planner.tracing.parallel.projection_styles import output_dim, rank_major_order
+from planner.tracing.parallel.tp_plans import FUSED_QKV, step_context
 from planner.tracing.recorder import loss_of, run_step_inputs
 from planner.tracing.specs import resolve_spec
 
 TIMEOUT_S = 600
+
+
+def _rank_major(name: str, grad: torch.Tensor, ref: torch.nn.Module, tp: int) -> torch.Tensor:
+    """A one-process gradient in the row order memplan's plan stores a fused q/k/v projection's
+    parameter in (projection_styles.rank_major_order); other gradients unchanged."""
+    module_path, _, param_name = name.rpartition(".")
+    module = ref.get_submodule(module_path)
+    if module_path.rpartition(".")[2] not in FUSED_QKV:
+        return grad
+    dim = output_dim(module) if param_name == "weight" else 0
+    return grad.index_select(dim, rank_major_order(grad.shape[dim], 3, tp))
 
 
 def _grad_error(spec: str, config, sharded, inputs) -> float:
@@ -25,14 +37,17 @@ def _grad_error(spec: str, config, sharded, inputs) -> float:
     torch.manual_seed(0)
     ref, _ = resolve_spec(spec).build(batch_size=config.batch_size, seq_len=config.seq_len)
     loss_of(run_step_inputs(ref, inputs)).backward()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    ref_grads = {n: _rank_major(n, p.grad, ref, config.tp) for n, p in ref.named_parameters()}
     with step_context(config):
         loss_of(run_step_inputs(sharded, inputs)).backward()
+    # a gradient that is zero in exact arithmetic (a key bias under softmax) is rounding noise: the
+    # absolute tolerance follows the largest gradient of the model, not of that parameter
+    atol = 1e-6 * max(float(g.abs().max()) for g in ref_grads.values()) + 1e-12
     worst = 0.0
     for name, p in sharded.named_parameters():
         got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         want = ref_grads[name]
-        if not torch.allclose(got, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()) + 1e-12):
+        if not torch.allclose(got, want, rtol=1e-4, atol=atol):
             worst = max(worst, float(((got - want).abs() / (want.abs() + 1e-12)).max()))
     for p in sharded.parameters():
         p.grad = None
@@ -43,7 +58,7 @@ def _worker(rank: int, world_size: int, cases: list, queue) -> None:
     for key, spec, config, plan in cases:
         plan = load_plan(plan) if plan is not None else None
         model, inputs = build_parallel_model(spec, config, plan)
-        grad_error = _grad_error(spec, config, model, inputs) if plan is not None else 0.0
+        grad_error = _grad_error(spec, config, model, inputs)
         queue.put((key, rank, measure_parallel_step(model, inputs, config).peak_bytes, grad_error))
 
 

@@ -2,10 +2,13 @@
 
 - ``auto``: the model's own plan where it ships one (a transformers model whose config carries
   ``base_model_tp_plan``: transformers' own ``apply_tensor_parallelism`` applies it), else
-  memplan's for the blocks it recognises (separate q/k/v and output projections, a gated or plain
-  MLP: memplan's Llama, torchtitan, Hugging Face Llama, OPT, GPT-Neo, BERT, ViT), laid out as
+  memplan's for the blocks it recognises (separate q/k/v or a fused ``[q | k | v]`` projection and
+  an output projection, a gated or plain MLP, as ``nn.Linear`` or GPT-2's ``Conv1D``: memplan's
+  Llama and GPT-2, torchtitan, Hugging Face Llama, GPT-2, OPT, GPT-Neo, BERT, ViT), laid out as
   torchtitan does: embeddings rowwise with sequence-sharded output, norms ``SequenceParallel``,
-  q/k/v and w1/w3 colwise, o and w2 rowwise with sequence-sharded output, head colwise; a
+  q/k/v and w1/w3 colwise (a fused q/k/v per head, planner/tracing/parallel/projection_styles.py),
+  o and w2 rowwise with sequence-sharded output, head colwise, learned positions replicated and
+  cut to the rank's share of the sequence, a head tied to the embedding tied again to its shard; a
   torchtitan-style mixture-of-experts layer gathers its input whole, keeps its router replicated,
   runs its shared expert column- then row-parallel and its experts with the hidden dimension
   sharded (or leaves them to the expert-parallel plan), and reduce-scatters its partial output.
@@ -44,9 +47,17 @@ from planner.config import TrainConfig
 from planner.errors import SpecError
 from planner.tracing.parallel.ep_plans import expert_hidden_dims, is_grouped_experts
 from planner.tracing.parallel.expert_parallel import GroupedExpertsTensorParallel
+from planner.tracing.parallel.projection_styles import (
+    ColwiseProjection,
+    RowwiseProjection,
+    SequenceShardedOutput,
+    is_projection,
+    output_features,
+)
 from planner.tracing.parallel.user_plans import user_plan
 
 __all__ = [
+    "FUSED_QKV",
     "TpPlan",
     "apply_tp_plan",
     "loss_parallel_context",
@@ -57,10 +68,11 @@ __all__ = [
 
 TpPlan = Callable[[nn.Module, DeviceMesh], object]
 
-# Child names of the pieces memplan recognises (its own Llama, torchtitan, Hugging Face Llama, OPT,
-# GPT-Neo, BERT and ViT).
+# Child names of the pieces memplan recognises (its own Llama and GPT-2, torchtitan, Hugging Face
+# Llama, GPT-2, OPT, GPT-Neo, BERT and ViT).
 _QKV = (("q_proj", "k_proj", "v_proj"), ("wq", "wk", "wv"), ("query", "key", "value"))
-_OUT = ("o_proj", "wo", "out_proj", "dense")
+FUSED_QKV = ("c_attn", "qkv")  # one projection whose output is [q | k | v] (GPT-2, timm's ViT)
+_OUT = ("o_proj", "wo", "out_proj", "dense", "c_proj", "proj")
 _MLP = ("mlp", "feed_forward")
 _MOE = ("moe", "mlp", "feed_forward")  # a mixture-of-experts layer in the MLP's place (torchtitan: moe)
 _SHARED = ("shared_experts", "shared_expert")
@@ -68,12 +80,28 @@ _UP = (("gate_proj", "up_proj"), ("w1", "w3"), ("up_proj",), ("fc1",), ("c_fc",)
 _DOWN = ("down_proj", "w2", "fc2", "c_proj")
 # (up, down) on the block itself: OPT's fc1 / fc2, BERT's and ViT's intermediate / output.
 _BLOCK_FEED_FORWARDS = ((("fc1",), "fc2"), (("intermediate.dense",), "output.dense"))
-_NORMS = (("attn_norm", "mlp_norm"), ("attention_norm", "ffn_norm"), ("input_layernorm", "post_attention_layernorm"))
+_NORMS = (
+    ("attn_norm", "mlp_norm"),
+    ("attention_norm", "ffn_norm"),
+    ("input_layernorm", "post_attention_layernorm"),
+    ("ln_1", "ln_2"),
+)
 _EMBEDDING = ("embed_tokens", "tok_embeddings", "wte", "word_embeddings")
-_FINAL_NORM = ("norm",)
+_POSITIONS = ("wpe", "embed_positions", "position_embeddings")
+_FINAL_NORM = ("norm", "ln_f")
 _HEAD = ("lm_head", "output")
 # Attributes holding a head count that a sharded attention must see as its local count.
-_HEAD_COUNTS = ("num_heads", "num_kv_heads", "num_key_value_heads", "n_heads", "n_kv_heads", "num_attention_heads")
+_HEAD_COUNTS = (
+    "num_heads",
+    "num_kv_heads",
+    "num_key_value_heads",
+    "n_head",
+    "n_heads",
+    "n_kv_heads",
+    "num_attention_heads",
+)
+# Attributes holding the width of q (a fused projection's section) that a sharded attention splits by.
+_SECTION_WIDTHS = ("split_size",)
 
 
 def _gathered(x, device_mesh: DeviceMesh) -> DTensor:
@@ -156,7 +184,8 @@ def _outside_blocks(model: nn.Module, blocks: list[_Block], names: tuple[str, ..
 @dataclass(frozen=True)
 class _Block:
     """One recognised decoder block: the paths, relative to it, of its attention (the module that
-    holds the head counts), q/k/v and output projections, its MLP (or mixture-of-experts layer:
+    holds the head counts), q/k/v (one path when `fused_qkv`) and output projections, its MLP (or
+    mixture-of-experts layer:
     `experts` set, `up` / `down` those of its shared expert, if any; "" where the block holds its
     projections itself) with its up and down projections, and its two norms (None where not
     recognised: no sequence parallel there)."""
@@ -170,11 +199,12 @@ class _Block:
     down: str
     norms: tuple[str, str] | None
     experts: str | None = None
+    fused_qkv: bool = False
 
 
 def _linears(module: nn.Module, paths: tuple[str, ...]) -> bool:
-    """Whether every dotted path under `module` is an nn.Linear."""
-    return all(isinstance(_at(module, p), nn.Linear) for p in paths)
+    """Whether every dotted path under `module` is a projection (an nn.Linear or GPT-2's Conv1D)."""
+    return all(is_projection(_at(module, p)) for p in paths)
 
 
 def _at(module: nn.Module, path: str) -> nn.Module | None:
@@ -207,14 +237,18 @@ def _moe_layer(block: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
-def _attention(block: nn.Module) -> tuple[str, tuple[str, ...], str] | None:
-    """(attention path, q/k/v paths, output projection path) within a block: the first module, the
-    block's child or grandchild, with q/k/v Linear children; its output projection is its own child
-    or, as BERT and ViT lay it out, ``output.dense`` beside it."""
+def _attention(block: nn.Module) -> tuple[str, tuple[str, ...], str, bool] | None:
+    """(attention path, q/k/v paths, output projection path, whether q/k/v is one fused projection)
+    within a block: the first module, the block's child or grandchild, with q/k/v projection
+    children (or one fused ``[q | k | v]`` projection three times as wide as the output projection);
+    its output projection is its own child or, as BERT and ViT lay it out, ``output.dense`` beside it."""
     for path, module in block.named_modules():
         if not path or path.count(".") > 1:
             continue
         qkv = next((names for names in _QKV if _linears(module, names)), None)
+        fused = qkv is None
+        if fused:
+            qkv = next(((name,) for name in FUSED_QKV if _linears(module, (name,))), None)
         if qkv is None:
             continue
         parent = path.rpartition(".")[0]
@@ -222,7 +256,9 @@ def _attention(block: nn.Module) -> tuple[str, tuple[str, ...], str] | None:
         out = next((o for o in outs if _linears(block, (o,))), None)
         if out is None or not _only_projections(block, path, (*(_joined(path, n) for n in qkv), out)):
             return None
-        return path, tuple(_joined(path, n) for n in qkv), out
+        if fused and output_features(module.get_submodule(qkv[0])) != 3 * output_features(block.get_submodule(out)):
+            return None
+        return path, tuple(_joined(path, n) for n in qkv), out, fused
     return None
 
 
@@ -237,9 +273,10 @@ def _only_projections(block: nn.Module, attention: str, projections: tuple[str, 
 
 
 def _recognise_block(path: str, block: nn.Module) -> _Block | None:
-    attention = _attention(block)
-    if attention is None:
+    found = _attention(block)
+    if found is None:
         return None
+    *attention, fused = found
     norms = next((pair for pair in _NORMS if all(isinstance(getattr(block, n, None), nn.Module) for n in pair)), None)
     if (moe := _moe_layer(block)) is not None:
         shared = _child(moe[1], _SHARED)
@@ -247,13 +284,13 @@ def _recognise_block(path: str, block: nn.Module) -> _Block | None:
         if shared is not None and ffn is None:
             return None
         up, down = ffn or ((), "")
-        return _Block(path, *attention, moe[0], up, down, norms, _joined(moe[0], "experts"))
+        return _Block(path, *attention, moe[0], up, down, norms, _joined(moe[0], "experts"), fused)
     mlp = _child(block, _MLP)
     if mlp is not None and (ffn := _feed_forward(mlp[1], mlp[0])) is not None:
-        return _Block(path, *attention, mlp[0], *ffn, norms)
+        return _Block(path, *attention, mlp[0], *ffn, norms, fused_qkv=fused)
     for up, down in _BLOCK_FEED_FORWARDS:
         if _linears(block, (*up, down)):
-            return _Block(path, *attention, "", up, down, norms)
+            return _Block(path, *attention, "", up, down, norms, fused_qkv=fused)
     return None
 
 
@@ -264,6 +301,7 @@ def decoder_blocks(model: nn.Module) -> list[_Block]:
 
 _HEAD_WORDS = {
     "num_heads": "attention heads",
+    "n_head": "attention heads",
     "n_heads": "attention heads",
     "num_attention_heads": "attention heads",
     "num_kv_heads": "key-value heads",
@@ -300,10 +338,14 @@ def _memplan_plan(
     for b in blocks:
         attention = model.get_submodule(f"{b.path}.{b.attention}")
         check_heads(f"{b.path}.{b.attention}", {a: getattr(attention, a, None) for a in _HEAD_COUNTS}, tp)
+    tied = _tied_groups(model)
     seq = Shard(1)
     top: dict[str, ParallelStyle] = {}
     if (emb := _outside_blocks(model, blocks, _EMBEDDING)) is not None and isinstance(emb[1], nn.Embedding):
         top[emb[0]] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sequence_parallel else None)
+    positions = _outside_blocks(model, blocks, _POSITIONS)
+    if sequence_parallel and positions is not None and isinstance(positions[1], nn.Embedding):
+        top[positions[0]] = SequenceShardedOutput()
     if sequence_parallel and (norm := _outside_blocks(model, blocks, _FINAL_NORM)) is not None:
         top[norm[0]] = SequenceParallel()
     if (head := _outside_blocks(model, blocks, _HEAD)) is not None and isinstance(head[1], nn.Linear):
@@ -315,13 +357,13 @@ def _memplan_plan(
     for b in blocks:
         plan: dict[str, ParallelStyle] = {}
         for path in b.qkv:
-            plan[path] = ColwiseParallel()
+            plan[path] = ColwiseProjection(sections=3 if b.fused_qkv else 1)
         out_layout = seq if sequence_parallel else None
-        plan[b.out] = RowwiseParallel(output_layouts=out_layout)
+        plan[b.out] = RowwiseProjection(output_layouts=out_layout)
         for path in b.up:
-            plan[path] = ColwiseParallel()
+            plan[path] = ColwiseProjection()
         if b.down:  # a shared expert's output is the layer's partial sum, reduced with the experts'
-            plan[b.down] = RowwiseParallel(output_layouts=out_layout if b.experts is None else Partial())
+            plan[b.down] = RowwiseProjection(output_layouts=out_layout if b.experts is None else Partial())
         if b.experts is not None:
             plan[b.mlp] = _MoeLayerParallel(sequence_parallel)
             experts = f"{b.path}.{b.experts}"
@@ -341,11 +383,57 @@ def _memplan_plan(
                 plan[b.mlp] = _ReplicateFirstInput()
         parallelize_module(model.get_submodule(b.path), tp_mesh, plan)
         attention = model.get_submodule(f"{b.path}.{b.attention}")
-        for attr in _HEAD_COUNTS:
+        for attr in (*_HEAD_COUNTS, *_SECTION_WIDTHS):
             if isinstance(getattr(attention, attr, None), int):
                 setattr(attention, attr, getattr(attention, attr) // tp)
+    _keep_tied_whole(top, tied, sequence_parallel)
     if top:
         parallelize_module(model, tp_mesh, top)
+    _tie_again(model, tied)
+
+
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    """Paths of the parameters that are one tensor (a head tied to its embedding), per tensor."""
+    groups: dict[int, list[str]] = {}
+    for path, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(path)
+    return [paths for paths in groups.values() if len(paths) > 1]
+
+
+def _keep_tied_whole(top: dict[str, ParallelStyle], groups: list[list[str]], sequence_parallel: bool) -> None:
+    """Where a tied parameter's modules are not all sharded by `top` (BERT's masked-LM decoder is
+    tied to its word embeddings), none of them is: each stays whole (under sequence parallel, cut to
+    the rank's share of the sequence)."""
+    for paths in groups:
+        modules = {path.rpartition(".")[0] for path in paths}
+        if modules & top.keys() and not modules <= top.keys():
+            for module in modules & top.keys():
+                if sequence_parallel and isinstance(top[module], RowwiseParallel):  # the token embedding
+                    top[module] = SequenceShardedOutput()
+                else:
+                    del top[module]
+
+
+def _tie_again(model: nn.Module, groups: list[list[str]]) -> None:
+    """Each tied group one tensor again: the first path's shard, where every path was sharded alike
+    (an embedding rowwise and a head colwise both split the vocabulary)."""
+    for owner, *others in groups:
+        shard = model.get_parameter(owner)
+        for path in others:
+            other = model.get_parameter(path)
+            if other is shard:
+                continue
+            if not (_placements(other) == _placements(shard) and other.shape == shard.shape):
+                raise SpecError(
+                    f"--tp-plan auto shards the tied parameters {owner} and {path} differently; pass --tp-plan "
+                    "PATH.py:FUNC with your own plan"
+                )
+            parent, _, name = path.rpartition(".")
+            model.get_submodule(parent).register_parameter(name, shard)
+
+
+def _placements(param: nn.Parameter) -> tuple | None:
+    return param.placements if isinstance(param, DTensor) else None
 
 
 def _hf_plan(model: nn.Module, tp_mesh: DeviceMesh) -> None:
