@@ -125,6 +125,33 @@ def test_memplan_plan_keeps_a_tied_head_one_tensor(name):
         assert embedding.weight.to_local().shape[0] == embedding.num_embeddings // 2
 
 
+def test_a_tie_the_plan_cannot_shard_alike_stays_whole_and_refuses_sequence_parallel():
+    """The token embeddings tied to the head and to a third module the plan does not shard: all three
+    stay whole, one tensor, and sequence parallel (which shards the embedding's output) is refused."""
+    import torch
+    from tp_models import titan_small
+
+    from planner.tracing.parallel.rank_trace import fake_process_group
+    from planner.tracing.parallel.tp_plans import resolve_tp_plan
+
+    for sequence_parallel in (False, True):
+        model, _ = titan_small(2, 16)
+        model.output.weight = model.tok_embeddings.weight
+        model.reader = torch.nn.Linear(128, 512, bias=False)
+        model.reader.weight = model.tok_embeddings.weight
+        with fake_process_group(0, 2):
+            mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+            plan = resolve_tp_plan("auto", sequence_parallel=sequence_parallel)
+            if sequence_parallel:
+                with pytest.raises(SpecError, match="tied to output.weight, reader.weight.*--no-sp"):
+                    plan(model, mesh)
+                continue
+            plan(model, mesh)
+            assert model.output.weight is model.tok_embeddings.weight is model.reader.weight
+            assert not hasattr(model.tok_embeddings.weight, "placements")
+            assert model.layers[0].attention.wq.weight.to_local().shape[0] == 64
+
+
 def test_fused_qkv_rows_are_sharded_per_section():
     """A fused [q | k | v] projection's rows reordered rank-major: chunk r holds the r-th share of
     q, then of k, then of v, so each rank computes whole heads of all three."""

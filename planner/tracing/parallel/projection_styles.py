@@ -8,9 +8,8 @@ and for the position embeddings of a sequence-parallel model.
   k and v. DTensor has no placement for that, so the output features are reordered rank-major
   (:func:`rank_major_order`, Megatron's layout of a fused q/k/v) and sharded ``Shard`` on the
   reordered dimension: ``full_tensor()`` returns the rows in that order.
-- Under sequence parallel, an embedding the plan does not shard (learned positions; token
-  embeddings tied to a head the plan leaves whole) stays replicated, and each rank keeps the rows of
-  its share of the sequence.
+- Learned position embeddings under sequence parallel stay replicated; each rank keeps the rows of
+  its share of the sequence, as the sequence-sharded token embeddings they are added to.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 __all__ = [
     "ColwiseProjection",
     "RowwiseProjection",
-    "SequenceShardedOutput",
+    "SequenceShardedPositions",
     "is_projection",
     "output_dim",
     "output_features",
@@ -138,9 +137,9 @@ def _sequence_sharded_output(module: nn.Module, output: DTensor, device_mesh: De
     return output.redistribute(placements=(Shard(output.dim() - 2),)).to_local()
 
 
-class SequenceShardedOutput(ParallelStyle):
-    """A module kept whole under sequence parallel (a learned position embedding): its parameters
-    replicated, its output (…, S, E) cut to this rank's share of the sequence."""
+class SequenceShardedPositions(ParallelStyle):
+    """A learned position embedding under sequence parallel: its table replicated, its output (…, S, E)
+    cut to this rank's share of the sequence, to be added to the sequence-sharded token embeddings."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(module, device_mesh, _replicated, _replicated_input, _sequence_sharded_output)

@@ -50,7 +50,7 @@ from planner.tracing.parallel.expert_parallel import GroupedExpertsTensorParalle
 from planner.tracing.parallel.projection_styles import (
     ColwiseProjection,
     RowwiseProjection,
-    SequenceShardedOutput,
+    SequenceShardedPositions,
     is_projection,
     output_features,
 )
@@ -345,7 +345,7 @@ def _memplan_plan(
         top[emb[0]] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sequence_parallel else None)
     positions = _outside_blocks(model, blocks, _POSITIONS)
     if sequence_parallel and positions is not None and isinstance(positions[1], nn.Embedding):
-        top[positions[0]] = SequenceShardedOutput()
+        top[positions[0]] = SequenceShardedPositions()
     if sequence_parallel and (norm := _outside_blocks(model, blocks, _FINAL_NORM)) is not None:
         top[norm[0]] = SequenceParallel()
     if (head := _outside_blocks(model, blocks, _HEAD)) is not None and isinstance(head[1], nn.Linear):
@@ -401,17 +401,20 @@ def _tied_groups(model: nn.Module) -> list[list[str]]:
 
 
 def _keep_tied_whole(top: dict[str, ParallelStyle], groups: list[list[str]], sequence_parallel: bool) -> None:
-    """Where a tied parameter's modules are not all sharded by `top` (BERT's masked-LM decoder is
-    tied to its word embeddings), none of them is: each stays whole (under sequence parallel, cut to
-    the rank's share of the sequence)."""
+    """Where a tied parameter's modules are not all sharded by `top` (BART's head shares the
+    encoder's and decoder's embeddings), none of them is: each stays whole. Sequence parallel needs
+    the embedding's output and the head's input sharded, so there it is refused in one line."""
     for paths in groups:
         modules = {path.rpartition(".")[0] for path in paths}
         if modules & top.keys() and not modules <= top.keys():
+            if sequence_parallel:
+                raise SpecError(
+                    f"the parameter {paths[0]} is tied to {', '.join(paths[1:])}, which --tp-plan auto does not shard "
+                    "alike, so it stays whole, and sequence parallel needs the embedding sharded; pass --no-sp, or "
+                    "--tp-plan PATH.py:FUNC with your own plan"
+                )
             for module in modules & top.keys():
-                if sequence_parallel and isinstance(top[module], RowwiseParallel):  # the token embedding
-                    top[module] = SequenceShardedOutput()
-                else:
-                    del top[module]
+                del top[module]
 
 
 def _tie_again(model: nn.Module, groups: list[list[str]]) -> None:
