@@ -152,6 +152,21 @@ def test_a_tie_the_plan_cannot_shard_alike_stays_whole_and_refuses_sequence_para
             assert model.layers[0].attention.wq.weight.to_local().shape[0] == 64
 
 
+def test_a_fused_projection_laid_out_per_head_is_not_recognised():
+    """GPT-BigCode's c_attn without multi-query is as wide as GPT-2's, but interleaves q, k and v per
+    head: the shape cannot tell, so only the attentions known to concatenate them are recognised."""
+    from torch import nn
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    from planner.tracing.parallel.tp_plans import decoder_blocks
+
+    config = GPTBigCodeConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=128, multi_query=False)
+    model = GPTBigCodeForCausalLM(config)
+    assert isinstance(model.transformer.h[0].attn.c_attn, nn.Linear)
+    assert model.transformer.h[0].attn.c_attn.out_features == 3 * 64
+    assert decoder_blocks(model) == []
+
+
 def test_fused_qkv_rows_are_sharded_per_section():
     """A fused [q | k | v] projection's rows reordered rank-major: chunk r holds the r-th share of
     q, then of k, then of v, so each rank computes whole heads of all three."""

@@ -72,6 +72,15 @@ TpPlan = Callable[[nn.Module, DeviceMesh], object]
 # Llama, GPT-2, OPT, GPT-Neo, BERT and ViT).
 _QKV = (("q_proj", "k_proj", "v_proj"), ("wq", "wk", "wv"), ("query", "key", "value"))
 FUSED_QKV = ("c_attn", "qkv")  # one projection whose output is [q | k | v] (GPT-2, timm's ViT)
+# The attentions known to lay a fused projection out as [q | k | v]; others interleave it per head
+# (GPT-BigCode, Bloom, GPT-NeoX) or per key-value group (Falcon), which a shape cannot tell apart.
+_CONCATENATED_QKV_ATTENTIONS = {
+    "GPT2Attention",  # transformers' GPT-2, and the copies in ImageGPT and Decision Transformer
+    "ImageGPTAttention",
+    "DecisionTransformerGPT2Attention",
+    "CausalSelfAttention",  # memplan's GPT-2 preset, nanoGPT, minGPT
+    "timm.models.vision_transformer.Attention",
+}
 _OUT = ("o_proj", "wo", "out_proj", "dense", "c_proj", "proj")
 _MLP = ("mlp", "feed_forward")
 _MOE = ("moe", "mlp", "feed_forward")  # a mixture-of-experts layer in the MLP's place (torchtitan: moe)
@@ -247,7 +256,7 @@ def _attention(block: nn.Module) -> tuple[str, tuple[str, ...], str, bool] | Non
             continue
         qkv = next((names for names in _QKV if _linears(module, names)), None)
         fused = qkv is None
-        if fused:
+        if fused and _concatenates_qkv(module):
             qkv = next(((name,) for name in FUSED_QKV if _linears(module, (name,))), None)
         if qkv is None:
             continue
@@ -260,6 +269,14 @@ def _attention(block: nn.Module) -> tuple[str, tuple[str, ...], str, bool] | Non
             return None
         return path, tuple(_joined(path, n) for n in qkv), out, fused
     return None
+
+
+def _concatenates_qkv(attention: nn.Module) -> bool:
+    cls = type(attention)
+    return (
+        cls.__name__ in _CONCATENATED_QKV_ATTENTIONS
+        or f"{cls.__module__}.{cls.__name__}" in _CONCATENATED_QKV_ATTENTIONS
+    )
 
 
 def _only_projections(block: nn.Module, attention: str, projections: tuple[str, ...]) -> bool:
