@@ -256,7 +256,7 @@ def test_split_backward_with_fsdp2_resharding_is_warned_in_simulate_and_refused_
 @pytest.mark.parametrize("model", ["llama-7b-tiny", "tests/pp_ranks.py:hf_llama"])
 def test_verify_pipeline_cli_measures_every_pp_rank(tmp_path, capsys, model):
     """`memplan verify --pp 2` cuts any model with torch's pipeline tracer where the simulation cuts it
-    and measures each pp rank on gloo: within 3% of the prediction (the traced stages send what
+    and measures each pp rank on gloo: within 2% of the prediction (the traced stages send what
     crosses a cut, e.g. rotary tables, where torchtitan's stages recompute it), under a stage plan too."""
     base = ["--model", model, "--seq-len", "64", "--batch-size", "4", "--pp", "2", "--pp-schedule", "1f1b"]
     plan = tmp_path / "plan.json"
@@ -268,7 +268,7 @@ def test_verify_pipeline_cli_measures_every_pp_rank(tmp_path, capsys, model):
         assert code == 0, err
         (result,) = json.loads(out.read_text())["results"]
         assert len(result["measured_bytes"]) == 2
-        assert all(abs(e) < 0.03 for e in result["errors"]), result
+        assert all(abs(e) < 0.02 for e in result["errors"]), result
 
 
 @pytest.mark.distributed
@@ -298,7 +298,7 @@ def test_verify_pipeline_with_fsdp2_measures_every_rank_of_the_mesh(tmp_path, ca
     [
         ("llama-70b-tiny", "interleaved-1f1b", 2, 2, 0.02),
         ("llama-70b-tiny", "dualpipev", 2, 2, 0.02),
-        ("llama-70b-tiny", "looped-bfs", 4, 1, 0.07),  # the last stage predicted 6.6% over (as gpipe's)
+        ("llama-70b-tiny", "looped-bfs", 4, 1, 0.02),
         ("tests/pp_ranks.py:hf_llama", "zbv-zero-bubble", 2, 2, 0.03),
     ],
 )
@@ -306,7 +306,9 @@ def test_verify_pipeline_runs_multi_stage_schedules(tmp_path, capsys, model, sch
     """torch's multi-stage runtime hands a stage's outputs to the next stage only (a V schedule's
     middle stages on one rank by position): the traced stages relay what a later stage reads. Each
     pp rank is measured within `tolerance` of its prediction (transformers' stages also hold the
-    rotary tables and labels they receive, where the simulation's stages make them)."""
+    rotary tables and labels they receive, where the simulation's stages make them). The traced last
+    stage returns the logits beside the loss, so the schedule holds each microbatch's until its
+    backward, as torchtitan's does: looped BFS's last stage holds all four at once."""
     out = tmp_path / "verify.json"
     argv = ["verify", "--model", model, "--seq-len", "64", "--batch-size", "4", "--pp", str(pp), "--microbatches", "4"]
     extra = ["--pp-schedule", schedule, "--stages-per-rank", str(stages_per_rank), "--json", str(out)]

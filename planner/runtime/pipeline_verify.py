@@ -59,16 +59,36 @@ MEASURED_STEPS = 2  # after one warm-up step; the lowest peak is reported
 
 
 class _Step(nn.Module):
-    """The model's step as one module: the inputs enter on the first stage, the loss leaves the last."""
+    """The model's step as one module: the inputs enter on the first stage; the last returns the
+    loss and what the loss reads, the output of the model's last submodule to finish (the head's
+    logits). torchtitan's last stage returns the logits and its loss function runs outside, so the
+    schedule holds them from the stage's forward to its backward (as memplan simulates); returned
+    beside the loss, the traced last stage's logits are held the same way."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+        self._outputs: list[torch.Tensor] = []
+        for _, module in list(model.named_modules())[1:]:
+            module.register_forward_hook(self._remember)
 
-    def forward(self, *args, **kwargs):
+    def _remember(self, module: nn.Module, args, output) -> None:
+        if isinstance(output, torch.Tensor):
+            self._outputs.append(output)
+
+    def forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         args = [a.view(a.shape) if isinstance(a, torch.Tensor) else a for a in args]
         kwargs = {k: v.view(v.shape) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        return loss_of(self.model(*args, **kwargs))
+        self._outputs.clear()
+        loss = loss_of(self.model(*args, **kwargs))
+        read_by_loss = _owned(self._outputs[-1]) if self._outputs else loss
+        self._outputs.clear()
+        return loss, read_by_loss
+
+
+def _loss(output: tuple[torch.Tensor, torch.Tensor], target) -> torch.Tensor:
+    """The schedule's loss function: the loss the traced last stage computed (:class:`_Step`)."""
+    return output[0]
 
 
 def _split_inputs(inputs) -> tuple[tuple, dict]:
@@ -213,7 +233,7 @@ def _relay_skipping_values(split_gm: torch.fx.GraphModule) -> None:
             )
         for value in stage.args:
             readers.setdefault(value, []).append(k)
-    if any(a is not stages[-1] for a in out_node.all_input_nodes):
+    if any(producer(a)[0] != len(stages) - 1 for a in out_node.all_input_nodes):
         raise MemplanError(
             "the traced step returns a value of a stage before the last one, which a multi-stage schedule cannot "
             "relay; verify this model under gpipe or 1f1b"
@@ -250,7 +270,12 @@ def _relay_skipping_values(split_gm: torch.fx.GraphModule) -> None:
         node = relayed.call_module(stage.target, args)
         if k < len(stages) - 1:
             previous = tuple(relayed.call_function(operator.getitem, (node, i)) for i in range(len(live[k])))
-    relayed.output(torch.fx.map_arg(out_node.args[0], lambda _: node))
+    last = node
+    returned = {  # the step's outputs, the last stage's (its loss and what the loss reads)
+        a: last if a is stages[-1] else relayed.call_function(operator.getitem, (last, producer(a)[1]))
+        for a in out_node.all_input_nodes
+    }
+    relayed.output(torch.fx.map_arg(out_node.args[0], returned.__getitem__))
     split_gm.graph = relayed
     split_gm.recompile()
 
@@ -426,7 +451,7 @@ def _custom_autograd_functions(spec: str, config: TrainConfig, seed: int) -> lis
     fails here (the ranks then report why, in one line)."""
     model, args, kwargs, micro = _training_model(spec, config, seed)
     try:
-        loss = _Step(model)(*_microbatch(args, micro), **dict(zip(kwargs, _microbatch(kwargs.values(), micro))))
+        loss, _ = _Step(model)(*_microbatch(args, micro), **dict(zip(kwargs, _microbatch(kwargs.values(), micro))))
     except Exception:  # the model's own failure, whatever its type: the ranks run it again and say why
         return []
     names, seen, todo = set(), set(), [loss.grad_fn]
@@ -463,7 +488,7 @@ def _measure_worker(rank: int, world_size: int, payload: tuple, queue) -> None:
             _shard_stage(stage.submod, block_paths, config, dp_mesh)
     cls = getattr(schedules, PP_SCHEDULES[config.pp_schedule])
     single = issubclass(cls, schedules.PipelineScheduleSingle)
-    schedule = cls(stages[0] if single else stages, config.num_microbatches, loss_fn=lambda loss, _: loss)
+    schedule = cls(stages[0] if single else stages, config.num_microbatches, loss_fn=_loss)
     num_stages = config.pp * config.num_stages_per_rank
     step_args = inputs if 0 in stage_ids else ()
     step_kwargs = {"target": torch.zeros(config.batch_size)} if num_stages - 1 in stage_ids else {}
