@@ -251,13 +251,33 @@ def test_split_backward_with_fsdp2_resharding_is_warned_in_simulate_and_refused_
             assert_user_error(code, err, "verify", "--reshard-after-forward false")
 
 
+def test_a_weight_tied_across_stages_has_a_gradient_on_each():
+    """GPT-2's head is tied to its embeddings: the whole-model trace accumulates the head's gradient
+    (last stage) into the embeddings' (stage 0) with one add. Each stage holds its own copy, so
+    each keeps the gradient its backward makes, and no stage makes the sum."""
+    from planner.simulation.pipeline_split import op_stages
+    from planner.simulation.pipeline_step import tied_gradients
+
+    graph = trace("gpt2-tiny", batch_size=2, seq_len=32)
+    stage_of, in_bwd = op_stages(graph, cut_stages(graph, blocks_per_stage(len(graph.regions), 2)))
+    own, sums = tied_gradients(graph, stage_of, in_bwd)
+    vocab_table = 256 * 64 * 4
+    assert [graph.tensors[t].nbytes for t in sums] == [vocab_table]
+    assert sorted(int(stage_of[graph.tensors[t].alloc_op]) for t in own) == [0, 1]
+    untied = trace("llama-7b-tiny", batch_size=2, seq_len=32)
+    stage_of, in_bwd = op_stages(untied, cut_stages(untied, blocks_per_stage(len(untied.regions), 2)))
+    assert tied_gradients(untied, stage_of, in_bwd) == (frozenset(), frozenset())
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["llama-7b-tiny", "tests/pp_ranks.py:hf_llama"])
+@pytest.mark.parametrize("model", ["llama-7b-tiny", "tests/pp_ranks.py:hf_llama", "gpt2-tiny"])
 def test_verify_pipeline_cli_measures_every_pp_rank(tmp_path, capsys, model):
     """`memplan verify --pp 2` cuts any model with torch's pipeline tracer where the simulation cuts it
     and measures each pp rank on gloo: within 2% of the prediction (the traced stages send what
-    crosses a cut, e.g. rotary tables, where torchtitan's stages recompute it), under a stage plan too."""
+    crosses a cut, e.g. rotary tables, where torchtitan's stages recompute it), under a stage plan too.
+    GPT-2's head, tied to its embeddings, is a copy on each end of the pipeline (the traced stage 0
+    drops the copy of the head it never runs)."""
     base = ["--model", model, "--seq-len", "64", "--batch-size", "4", "--pp", "2", "--pp-schedule", "1f1b"]
     plan = tmp_path / "plan.json"
     code, _, err = run(["plan", *base, "--budget", "95%", "--out", str(plan)], capsys)

@@ -199,6 +199,8 @@ def _traced_pipe(spec: str, config: TrainConfig, blocks_per_stage: tuple[int, ..
             f"torch.distributed.pipelining could not trace {spec} into stages ({type(exc).__name__}: {reason}); "
             "verify its stages with your own stage modules"
         ) from None
+    for stage in pipe.split_gm.children():
+        _drop_unused(stage)
     if config.pp_schedule not in SINGLE_STAGE_SCHEDULES:  # torch's multi-stage runtime, whatever the stages per rank
         _relay_skipping_values(pipe.split_gm)
     _contiguous_across_cuts(pipe.split_gm)
@@ -207,6 +209,26 @@ def _traced_pipe(spec: str, config: TrainConfig, blocks_per_stage: tuple[int, ..
     # keyword arguments to every stage of the rank, not only the first
     names = [n.target for n in pipe.split_gm.graph.nodes if n.op == "placeholder"]
     return pipe, (*args, *(kwargs[name] for name in names[len(args) :])), blocks
+
+
+def _drop_unused(stage: nn.Module) -> None:
+    """Remove from a traced stage the modules and tensors its graphs never reach. The tracer keeps
+    the module tree of the model in each stage, so a weight tied across stages (GPT-2's head on
+    stage 0) stays there as a copy no op reads; a torchtitan-style stage has no such copy."""
+    used: set[str] = set()
+    for path, module in stage.named_modules():
+        graph = getattr(module, "graph", None)
+        if isinstance(graph, torch.fx.Graph):
+            for node in graph.nodes:
+                if node.op in ("call_module", "get_attr"):
+                    parts = f"{path}.{node.target}".lstrip(".").split(".")
+                    used.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))
+    for path, module in list(stage.named_modules()):
+        if path and path not in used:
+            continue  # removed with its parent
+        for name in [*module._modules, *module._parameters, *module._buffers]:
+            if f"{path}.{name}".lstrip(".") not in used:
+                delattr(module, name)
 
 
 def _relay_skipping_values(split_gm: torch.fx.GraphModule) -> None:

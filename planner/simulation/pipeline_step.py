@@ -190,6 +190,10 @@ class _Context:
     w_read: set[int]
     retained: set[int]
     times: np.ndarray
+    # a weight tied across stages (embeddings and head): each stage's own gradient of it, and the
+    # sums that accumulate them in the whole-model trace, which no stage makes (tied_gradients)
+    own_gradients: frozenset[int] = frozenset()
+    cross_stage_sums: frozenset[int] = frozenset()
 
 
 def _sizing(config: TrainConfig) -> TrainConfig:
@@ -225,7 +229,38 @@ def _make_context(graph: OpGraph, config: TrainConfig, cuts: tuple[StageCut, ...
         w_read,
         _retained_forward_ops(graph, stage_of, in_bwd),
         op_times(graph, get_device(config.gpu)),
+        *tied_gradients(graph, stage_of, in_bwd),
     )
+
+
+def tied_gradients(graph: OpGraph, stage_of: np.ndarray, in_bwd: np.ndarray) -> tuple[frozenset[int], frozenset[int]]:
+    """(each stage's own gradient of a weight read on several stages, the sums that accumulate them).
+
+    The whole-model trace of a model whose head is tied to its embeddings accumulates the head's
+    gradient (made on the last stage) into the embeddings' (made on stage 0) with one add on stage 0.
+    Pipeline stages hold their own copy of the weight (torchtitan's, torch's tracer's), each with
+    its own gradient, so on each stage the gradient its backward makes is the weight's gradient and
+    no stage makes the sum."""
+    own: set[int] = set()
+    sums: set[int] = set()
+    for op in graph.ops:
+        if not in_bwd[op.index] or op.name not in _ACCUMULATING_ADDS:
+            continue
+        tensors = graph.tensors
+        grads = [t for t in op.allocs if tensors[t].category == "gradient" and tensors[t].free_op is None]
+        parts = [t for t in op.inputs if t in tensors and tensors[t].alloc_op >= 0 and in_bwd[tensors[t].alloc_op]]
+        if (
+            len(grads) == 1
+            and len(parts) == 2
+            and all(tensors[t].nbytes == tensors[grads[0]].nbytes for t in parts)
+            and any(stage_of[tensors[t].alloc_op] != stage_of[op.index] for t in parts)
+        ):
+            sums.add(grads[0])
+            own.update(parts)
+    return frozenset(own), frozenset(sums)
+
+
+_ACCUMULATING_ADDS = ("aten.add.Tensor",)  # autograd's accumulation of a weight's second gradient
 
 
 @dataclass(frozen=True)
@@ -412,6 +447,7 @@ def _place(
     ctx = _context(graph, config, cuts)
     stage_of, in_bwd, sizes, readers = ctx.stage_of, ctx.in_bwd, ctx.sizes, ctx.readers
     weight_ops, w_read, retained = ctx.weight_ops, ctx.w_read, ctx.retained
+    own_gradients, cross_stage_sums = ctx.own_gradients, ctx.cross_stage_sums
     phase = [op.phase for op in graph.ops]
     regions = sorted(graph.regions, key=lambda r: r.fwd_start)
     rows = replay_rows(effects) if rows is None else rows
@@ -453,7 +489,7 @@ def _place(
         ``retain_graph``: the autograd nodes from the weight-reading ops down to the stage's input
         stay, with what they saved, until W; so do the gradients W's ops read (torch keeps them in
         ``param_groups``), each until its last reader. Stage 0's W is its whole backward."""
-        cat = graph.tensors[tid].category
+        cat = "gradient" if tid in own_gradients else graph.tensors[tid].category
         p = progs[s]
         t = graph.tensors[tid]
         deferred = s > 0 and (tid in w_read or any(o in retained for o in t.saved_by))
@@ -477,7 +513,7 @@ def _place(
     tensors = graph.tensors.values() if only is None else (graph.tensors[tid] for tid in only)
     for t in tensors:
         z = sizes[t.id]
-        if z == 0 or t.id in moved:
+        if z == 0 or t.id in moved or t.id in cross_stage_sums:
             continue
         reads = readers.get(t.id, ())
         f = t.free_op if t.free_op is not None and t.free_op < n_ops else None
@@ -523,12 +559,12 @@ def _place(
                     progs[s]["F"].add(TAIL, t.category, -z)
             continue
         # allocated in sa's backward
-        if t.category == "gradient" and t.free_op is None:
+        if (t.category == "gradient" and t.free_op is None) or t.id in own_gradients:
             backward_event(sa, a, t.id, z, first_only=True)
             p = progs[sa]
             for key in ("B", "W"):
-                p[key].add(a, t.category, z)
-                p[key].add(a, t.category, -z, after=True)
+                p[key].add(a, "gradient", z)
+                p[key].add(a, "gradient", -z, after=True)
             continue
         earlier_reads = {int(stage_of[i]) for i in reads if int(stage_of[i]) < sa}
         if freed_here and in_bwd[f]:
