@@ -131,8 +131,11 @@ class StageFsdp:
         return (*blocks, self.gradient_bytes - sum(blocks))
 
 
-def stage_fsdp(graph: OpGraph, config: TrainConfig, cut: StageCut, sizes: dict[int, int]) -> StageFsdp:
-    """`cut`'s FSDP2 units; `sizes` are the programs' (sharded) storage bytes."""
+def stage_fsdp(
+    graph: OpGraph, config: TrainConfig, cut: StageCut, sizes: dict[int, int], sums: frozenset[int] = frozenset()
+) -> StageFsdp:
+    """`cut`'s FSDP2 units; `sizes` are the programs' (sharded) storage bytes; `sums`, the gradients
+    no stage makes (:func:`planner.simulation.pipeline_split.tied_gradients`)."""
     # the stage's FSDP2 units in post-forward order: its blocks (and, under expert parallel, the experts
     # modules nested in them, each its own unit); the root comes last in fsdp_units
     blocks = [u for u in fsdp_units(graph, config.shard_ranks)[:-1] if cut.fwd_start <= u.fwd_start < cut.fwd_end]
@@ -141,7 +144,7 @@ def stage_fsdp(graph: OpGraph, config: TrainConfig, cut: StageCut, sizes: dict[i
     grad_at = np.zeros(cut.bwd_end - cut.bwd_start, dtype=np.int64)
     for t in graph.tensors.values():
         a = t.alloc_op
-        if t.category == "gradient" and t.free_op is None and cut.bwd_start <= a < cut.bwd_end:
+        if t.category == "gradient" and t.free_op is None and cut.bwd_start <= a < cut.bwd_end and t.id not in sums:
             grad_at[a - cut.bwd_start] += int(t.nbytes * accumulate) - sizes[t.id]
     root = _root_bytes(graph, config.shard_ranks, cut)
     last_fwd_end, last_bwd_start = (

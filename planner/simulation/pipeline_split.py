@@ -15,7 +15,7 @@ import numpy as np
 from planner.errors import MemplanError
 from planner.tracing.graph import OpGraph
 
-__all__ = ["StageCut", "blocks_per_stage", "cut_stages", "op_stages", "weight_gradient_ops"]
+__all__ = ["StageCut", "blocks_per_stage", "cut_stages", "op_stages", "tied_gradients", "weight_gradient_ops"]
 
 
 @dataclass(frozen=True)
@@ -120,3 +120,33 @@ def _weight_gradient_ops(graph: OpGraph) -> frozenset[int]:
         if makes_grad or (op.allocs and used and all(r in out for r in used)):
             out.add(op.index)
     return frozenset(out)
+
+
+def tied_gradients(graph: OpGraph, stage_of: np.ndarray, in_bwd: np.ndarray) -> tuple[frozenset[int], frozenset[int]]:
+    """(each stage's own gradient of a weight read on several stages, the sums that accumulate them).
+
+    The whole-model trace of a model whose head is tied to its embeddings accumulates the head's
+    gradient (made on the last stage) into the embeddings' (made on stage 0) with one add on stage 0.
+    Pipeline stages hold their own copy of the weight (torchtitan's, torch's tracer's), each with
+    its own gradient, so on each stage the gradient its backward makes is the weight's gradient and
+    no stage makes the sum."""
+    own: set[int] = set()
+    sums: set[int] = set()
+    for op in graph.ops:
+        if not in_bwd[op.index] or op.name not in _ACCUMULATING_ADDS:
+            continue
+        tensors = graph.tensors
+        grads = [t for t in op.allocs if tensors[t].category == "gradient" and tensors[t].free_op is None]
+        parts = [t for t in op.inputs if t in tensors and tensors[t].alloc_op >= 0 and in_bwd[tensors[t].alloc_op]]
+        if (
+            len(grads) == 1
+            and len(parts) == 2
+            and all(tensors[t].nbytes == tensors[grads[0]].nbytes for t in parts)
+            and any(stage_of[tensors[t].alloc_op] != stage_of[op.index] for t in parts)
+        ):
+            sums.add(grads[0])
+            own.update(parts)
+    return frozenset(own), frozenset(sums)
+
+
+_ACCUMULATING_ADDS = ("aten.add.Tensor",)  # autograd's accumulation of a weight's second gradient

@@ -52,7 +52,7 @@ from planner.simulation.fsdp import state_shape
 from planner.simulation.memo import memo
 from planner.simulation.pipeline_fsdp import StageFsdp, StageFsdpState, stage_fsdp, unshard_plan
 from planner.simulation.pipeline_schedule import INPUT_GRADIENT_KINDS, PipelineAction, PipelineSchedule
-from planner.simulation.pipeline_split import StageCut, op_stages, weight_gradient_ops
+from planner.simulation.pipeline_split import StageCut, op_stages, tied_gradients, weight_gradient_ops
 from planner.simulation.step import Timeline
 from planner.tracing.graph import CATEGORIES, CATEGORY_INDEX, OpGraph
 
@@ -233,36 +233,6 @@ def _make_context(graph: OpGraph, config: TrainConfig, cuts: tuple[StageCut, ...
     )
 
 
-def tied_gradients(graph: OpGraph, stage_of: np.ndarray, in_bwd: np.ndarray) -> tuple[frozenset[int], frozenset[int]]:
-    """(each stage's own gradient of a weight read on several stages, the sums that accumulate them).
-
-    The whole-model trace of a model whose head is tied to its embeddings accumulates the head's
-    gradient (made on the last stage) into the embeddings' (made on stage 0) with one add on stage 0.
-    Pipeline stages hold their own copy of the weight (torchtitan's, torch's tracer's), each with
-    its own gradient, so on each stage the gradient its backward makes is the weight's gradient and
-    no stage makes the sum."""
-    own: set[int] = set()
-    sums: set[int] = set()
-    for op in graph.ops:
-        if not in_bwd[op.index] or op.name not in _ACCUMULATING_ADDS:
-            continue
-        tensors = graph.tensors
-        grads = [t for t in op.allocs if tensors[t].category == "gradient" and tensors[t].free_op is None]
-        parts = [t for t in op.inputs if t in tensors and tensors[t].alloc_op >= 0 and in_bwd[tensors[t].alloc_op]]
-        if (
-            len(grads) == 1
-            and len(parts) == 2
-            and all(tensors[t].nbytes == tensors[grads[0]].nbytes for t in parts)
-            and any(stage_of[tensors[t].alloc_op] != stage_of[op.index] for t in parts)
-        ):
-            sums.add(grads[0])
-            own.update(parts)
-    return frozenset(own), frozenset(sums)
-
-
-_ACCUMULATING_ADDS = ("aten.add.Tensor",)  # autograd's accumulation of a weight's second gradient
-
-
 @dataclass(frozen=True)
 class StageEffect:
     """A recompute choice on a pipeline stage: its stage, the storages it moves there (those its
@@ -354,10 +324,16 @@ def stage_programs(
     precision = get_precision(config.precision)
     foreach = get_device(config.gpu).is_cuda
     sharded = config.zero_stage >= 3 and config.shard_ranks > 1
-    sizes = _context(graph, config, cuts).sizes if sharded else {}
+    ctx = _context(graph, config, cuts)
+    sizes = ctx.sizes if sharded else {}
     for c in cuts:
         fsdp = (
-            memo("stage_fsdp", graph, (_sizing(config), c), lambda c=c: stage_fsdp(graph, config, c, sizes))
+            memo(
+                "stage_fsdp",
+                graph,
+                (_sizing(config), c),
+                lambda c=c: stage_fsdp(graph, config, c, sizes, ctx.cross_stage_sums),
+            )
             if sharded
             else None
         )
