@@ -14,6 +14,7 @@ and for the position embeddings of a sequence-parallel model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -85,13 +86,7 @@ class ColwiseProjection(ColwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Linear) and self.sections == 1:
             return super()._apply(module, device_mesh)
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition_projection_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        return _distributed(self, module, device_mesh, self._partition_projection_fn)
 
 
 class RowwiseProjection(RowwiseParallel):
@@ -109,13 +104,21 @@ class RowwiseProjection(RowwiseParallel):
         if not _is_transposed_linear(module):
             return super()._apply(module, device_mesh)
         self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition_transposed_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        return _distributed(self, module, device_mesh, self._partition_transposed_fn)
+
+
+def _distributed(
+    style: ColwiseParallel | RowwiseParallel, module: nn.Module, device_mesh: DeviceMesh, partition_fn: Callable
+) -> nn.Module:
+    """`module` with its parameters partitioned by `partition_fn` and its input and output laid out
+    as `style` lays them (torch's own hooks for it)."""
+    return distribute_module(
+        module,
+        device_mesh,
+        partition_fn,
+        partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
+    )
 
 
 def _replicated(name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
