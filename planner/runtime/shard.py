@@ -37,10 +37,7 @@ class ShardedBytesTracker(LiveBytesTracker):
         super().track(t._local_tensor if isinstance(t, DTensor) else t)
 
     def _resized(self, storage: torch.UntypedStorage) -> None:
-        key = id(storage)
-        if key in self._seen:
-            self.live_bytes += storage.nbytes() - self._seen[key]
-            self._seen[key] = storage.nbytes()
+        if self._resize(id(storage), storage.nbytes()):
             self.sample()
 
     def __enter__(self):
