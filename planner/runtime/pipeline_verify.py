@@ -68,21 +68,21 @@ class _Step(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
-        self._outputs: list[torch.Tensor] = []
+        self._last_output: list[torch.Tensor] = []  # a list: export refuses a tensor set on a module
         for _, module in list(model.named_modules())[1:]:
             module.register_forward_hook(self._remember)
 
     def _remember(self, module: nn.Module, args, output) -> None:
         if isinstance(output, torch.Tensor):
-            self._outputs.append(output)
+            self._last_output[:] = [output]
 
     def forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         args = [a.view(a.shape) if isinstance(a, torch.Tensor) else a for a in args]
         kwargs = {k: v.view(v.shape) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        self._outputs.clear()
+        self._last_output.clear()
         loss = loss_of(self.model(*args, **kwargs))
-        read_by_loss = _owned(self._outputs[-1]) if self._outputs else loss
-        self._outputs.clear()
+        read_by_loss = _owned(self._last_output[0]) if self._last_output else loss
+        self._last_output.clear()
         return loss, read_by_loss
 
 

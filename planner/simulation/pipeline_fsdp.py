@@ -132,7 +132,7 @@ class StageFsdp:
 
 
 def stage_fsdp(
-    graph: OpGraph, config: TrainConfig, cut: StageCut, sizes: dict[int, int], sums: frozenset[int] = frozenset()
+    graph: OpGraph, config: TrainConfig, cut: StageCut, sizes: dict[int, int], sums: frozenset[int]
 ) -> StageFsdp:
     """`cut`'s FSDP2 units; `sizes` are the programs' (sharded) storage bytes; `sums`, the gradients
     no stage makes (:func:`planner.simulation.pipeline_split.tied_gradients`)."""

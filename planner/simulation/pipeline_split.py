@@ -122,6 +122,9 @@ def _weight_gradient_ops(graph: OpGraph) -> frozenset[int]:
     return frozenset(out)
 
 
+_ACCUMULATING_ADD = "aten.add.Tensor"  # autograd's accumulation of a weight's second gradient
+
+
 def tied_gradients(graph: OpGraph, stage_of: np.ndarray, in_bwd: np.ndarray) -> tuple[frozenset[int], frozenset[int]]:
     """(each stage's own gradient of a weight read on several stages, the sums that accumulate them).
 
@@ -130,12 +133,12 @@ def tied_gradients(graph: OpGraph, stage_of: np.ndarray, in_bwd: np.ndarray) -> 
     Pipeline stages hold their own copy of the weight (torchtitan's, torch's tracer's), each with
     its own gradient, so on each stage the gradient its backward makes is the weight's gradient and
     no stage makes the sum."""
+    tensors = graph.tensors
     own: set[int] = set()
     sums: set[int] = set()
     for op in graph.ops:
-        if not in_bwd[op.index] or op.name not in _ACCUMULATING_ADDS:
+        if not in_bwd[op.index] or op.name != _ACCUMULATING_ADD:
             continue
-        tensors = graph.tensors
         grads = [t for t in op.allocs if tensors[t].category == "gradient" and tensors[t].free_op is None]
         parts = [t for t in op.inputs if t in tensors and tensors[t].alloc_op >= 0 and in_bwd[tensors[t].alloc_op]]
         if (
@@ -147,6 +150,3 @@ def tied_gradients(graph: OpGraph, stage_of: np.ndarray, in_bwd: np.ndarray) -> 
             sums.add(grads[0])
             own.update(parts)
     return frozenset(own), frozenset(sums)
-
-
-_ACCUMULATING_ADDS = ("aten.add.Tensor",)  # autograd's accumulation of a weight's second gradient

@@ -192,8 +192,8 @@ class _Context:
     times: np.ndarray
     # a weight tied across stages (embeddings and head): each stage's own gradient of it, and the
     # sums that accumulate them in the whole-model trace, which no stage makes (tied_gradients)
-    own_gradients: frozenset[int] = frozenset()
-    cross_stage_sums: frozenset[int] = frozenset()
+    own_gradients: frozenset[int]
+    cross_stage_sums: frozenset[int]
 
 
 def _sizing(config: TrainConfig) -> TrainConfig:
@@ -324,17 +324,16 @@ def stage_programs(
     precision = get_precision(config.precision)
     foreach = get_device(config.gpu).is_cuda
     sharded = config.zero_stage >= 3 and config.shard_ranks > 1
-    ctx = _context(graph, config, cuts)
-    sizes = ctx.sizes if sharded else {}
+    ctx = _context(graph, config, cuts) if sharded else None
     for c in cuts:
         fsdp = (
             memo(
                 "stage_fsdp",
                 graph,
                 (_sizing(config), c),
-                lambda c=c: stage_fsdp(graph, config, c, sizes, ctx.cross_stage_sums),
+                lambda c=c: stage_fsdp(graph, config, c, ctx.sizes, ctx.cross_stage_sums),
             )
-            if sharded
+            if ctx is not None
             else None
         )
         shapes = placed.param_shapes[c.index]

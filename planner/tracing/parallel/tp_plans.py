@@ -468,7 +468,7 @@ def _hf_plan(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=tp))
     # a tied parameter (lm_head.weight = embed_tokens.weight) is sharded once, as its owner's entry
     # says (both shard the vocabulary), and tied again to the shard
-    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+    tied = {path for _, *others in _tied_groups(model) for path in others}
     apply_tensor_parallelism(model, tp_mesh, {name: style for name, style in plan.items() if name not in tied})
     if tied:
         model.tie_weights()
