@@ -152,9 +152,11 @@ def test_a_tie_the_plan_cannot_shard_alike_stays_whole_and_refuses_sequence_para
             assert model.layers[0].attention.wq.weight.to_local().shape[0] == 64
 
 
-def test_a_fused_projection_laid_out_per_head_is_not_recognised():
+def test_a_fused_projection_is_recognised_only_where_its_layout_is_known():
     """GPT-BigCode's c_attn without multi-query is as wide as GPT-2's, but interleaves q, k and v per
-    head: the shape cannot tell, so only the attentions known to concatenate them are recognised."""
+    head: it is sharded in its own order (whole heads per contiguous shard), GPT-2's per section.
+    The same projection in an attention memplan does not know is not recognised: the shape cannot
+    tell the layouts apart."""
     from torch import nn
     from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
 
@@ -162,9 +164,39 @@ def test_a_fused_projection_laid_out_per_head_is_not_recognised():
 
     config = GPTBigCodeConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=128, multi_query=False)
     model = GPTBigCodeForCausalLM(config)
-    assert isinstance(model.transformer.h[0].attn.c_attn, nn.Linear)
     assert model.transformer.h[0].attn.c_attn.out_features == 3 * 64
+    assert [b.qkv_sections for b in decoder_blocks(model)] == [1, 1]
+    gpt2, _ = resolve_spec(_other_layout("gpt2")).build(batch_size=2, seq_len=32)
+    assert [b.qkv_sections for b in decoder_blocks(gpt2)] == [3, 3]
+
+    class UnknownAttention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c_attn, self.c_proj = nn.Linear(64, 192), nn.Linear(64, 64)
+
+    for block in model.transformer.h:
+        block.attn = UnknownAttention()
     assert decoder_blocks(model) == []
+
+
+def test_multi_query_and_alibi_in_the_mask_are_refused_in_one_line(capsys, tmp_path):
+    """GPT-BigCode's multi-query c_attn holds one key-value head (a --tp above 1 cannot split it), and
+    Falcon-RW adds its ALiBi biases through the mask, which the plan does not cut per rank."""
+    from transformers import FalconConfig, GPTBigCodeConfig
+
+    for name, config in {
+        "mqa": GPTBigCodeConfig(n_layer=1, n_embd=64, n_head=4, vocab_size=128, multi_query=True),
+        "alibi": FalconConfig(
+            hidden_size=64, num_attention_heads=4, num_hidden_layers=1, vocab_size=128, alibi=True, multi_query=False
+        ),
+    }.items():
+        (tmp_path / name).mkdir()
+        config.to_json_file(tmp_path / name / "config.json")
+    argv = ["simulate", "--gpu", "cpu", "--seq-len", "32", "--tp", "2", "--no-sp", "--model"]
+    code, _, err = run([*argv, f"hf:{tmp_path / 'mqa' / 'config.json'}"], capsys)
+    assert_user_error(code, err, "simulate", "does not divide the 1 key-value heads")
+    code, _, err = run([*argv, f"hf:{tmp_path / 'alibi' / 'config.json'}"], capsys)
+    assert_user_error(code, err, "simulate", "ALiBi biases through its attention mask")
 
 
 def test_fused_qkv_rows_are_sharded_per_section():
@@ -412,6 +444,39 @@ OTHER_LAYOUTS = {  # transformers models that ship no TP plan, laid out unlike L
         ("mlp.fc1",),
         "mlp.fc2",
     ),
+    # fused q/k/v laid out per head (Bloom, GPT-BigCode, Persimmon), per key-value group (Falcon's
+    # new decoder) or concatenated (MPT); Bloom and MPT take per-head ALiBi biases; XGLM reshapes
+    # its heads back with its embed_dim
+    "bloom": (
+        "self_attention",
+        ("self_attention.query_key_value",),
+        "self_attention.dense",
+        ("mlp.dense_h_to_4h",),
+        "mlp.dense_4h_to_h",
+    ),
+    "falcon": (
+        "self_attention",
+        ("self_attention.query_key_value",),
+        "self_attention.dense",
+        ("mlp.dense_h_to_4h",),
+        "mlp.dense_4h_to_h",
+    ),
+    "gpt_bigcode": ("attn", ("attn.c_attn",), "attn.c_proj", ("mlp.c_fc",), "mlp.c_proj"),
+    "mpt": ("attn", ("attn.Wqkv",), "attn.out_proj", ("ffn.up_proj",), "ffn.down_proj"),
+    "persimmon": (
+        "self_attn",
+        ("self_attn.query_key_value",),
+        "self_attn.dense",
+        ("mlp.dense_h_to_4h",),
+        "mlp.dense_4h_to_h",
+    ),
+    "xglm": (
+        "self_attn",
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "self_attn.out_proj",
+        ("fc1",),
+        "fc2",
+    ),
 }
 
 
@@ -420,11 +485,11 @@ def _other_layout(name: str) -> str:
 
 
 @pytest.mark.parametrize("name", list(OTHER_LAYOUTS))
-def test_memplan_plan_recognises_opt_gpt_neo_bert_gpt2_and_vit_blocks(name):
+def test_memplan_plan_recognises_blocks_of_transformers_models_without_a_plan(name):
     """OPT (projections on the block), GPT-Neo (attention one level down, plain MLP), BERT (q/k/v in
-    attention.self, the output projection beside it), GPT-2 (Conv1D projections, q/k/v fused) and
-    ViT (a plain MLP): every block recognised with the paths of its projections, and a TP rank holds
-    less than the whole model."""
+    attention.self, the output projection beside it), GPT-2 (Conv1D projections, q/k/v fused), ViT
+    (a plain MLP) and the fused layouts above: every block recognised with the paths of its
+    projections, and a TP rank holds less than the whole model."""
     from planner.tracing.parallel.tp_plans import decoder_blocks
 
     model, _ = resolve_spec(_other_layout(name)).build(batch_size=2, seq_len=32)
@@ -439,33 +504,44 @@ def test_memplan_plan_recognises_opt_gpt_neo_bert_gpt2_and_vit_blocks(name):
 
 
 def test_an_attention_with_per_head_parameters_is_not_recognised():
-    """Swin's relative position bias holds a column per head, which the plan would not shard: such
-    a block is left to the user's plan (--tp-plan auto then says it found no blocks)."""
+    """Swin's relative position bias holds a column per head, StableLM keeps a norm per head and
+    OLMo2 normalises q over all heads: each would need sharding the plan does not do, so such a
+    block is left to the user's plan (--tp-plan auto then says it found no blocks). One norm as wide
+    as a head (Persimmon's q and k layernorms) runs on every rank's heads: recognised."""
     import torch
     from torch import nn
 
     from planner.tracing.parallel.tp_plans import decoder_blocks
 
-    def block(per_head_table: bool) -> nn.Module:
+    def block(extra: str | None) -> nn.Module:
         out = nn.Module()
         out.attention = nn.Module()
+        out.attention.head_dim = 4
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             setattr(out.attention, name, nn.Linear(16, 16))
-        if per_head_table:
+        if extra == "table":
             out.attention.relative_position_bias_table = nn.Parameter(torch.zeros(49, 4))
+        elif extra == "norm per head":
+            out.attention.q_norm = nn.ModuleList(nn.LayerNorm(4) for _ in range(4))
+        elif extra == "norm over heads":
+            out.attention.q_norm = nn.LayerNorm(16)
+        elif extra == "head norm":
+            out.attention.q_norm = nn.LayerNorm(4)
         out.mlp = nn.Module()
         out.mlp.fc1, out.mlp.fc2 = nn.Linear(16, 64), nn.Linear(64, 16)
         return out
 
-    assert decoder_blocks(nn.ModuleList([block(per_head_table=True)])) == []
-    assert len(decoder_blocks(nn.ModuleList([block(per_head_table=False)]))) == 1
+    for extra in ("table", "norm per head", "norm over heads"):
+        assert decoder_blocks(nn.ModuleList([block(extra)])) == [], extra
+    assert [b.head_norms for b in decoder_blocks(nn.ModuleList([block("head norm")]))] == [("attention.q_norm",)]
+    assert [b.head_norms for b in decoder_blocks(nn.ModuleList([block(None)]))] == [()]
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_memplan_plan_on_other_transformers_layouts_matches_gloo_ranks():
-    """OPT, GPT-Neo, BERT, GPT-2 and ViT under memplan's plan (--no-sp) on 2 gloo ranks: every rank's
-    peak to the byte, gradients equal to one process (a tied head's too)."""
+    """Every model of OTHER_LAYOUTS under memplan's plan (--no-sp) on 2 gloo ranks: every rank's peak
+    to the byte, gradients equal to one process (a tied head's and a fused projection's too)."""
     config = _config(tp=2, sequence_parallel=False).with_(seq_len=32)
     cases = {name: _other_layout(name) for name in OTHER_LAYOUTS}
     measured = run_on_ranks([(key, spec, config, None) for key, spec in cases.items()], config.world_size)

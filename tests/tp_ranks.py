@@ -14,22 +14,26 @@ import torch
 from planner import load_plan
 from planner.runtime.parallel_verify import build_parallel_model, measure_parallel_step, run_on_gloo_ranks
 from planner.tracing.parallel.projection_styles import output_dim, rank_major_order
-from planner.tracing.parallel.tp_plans import FUSED_QKV, step_context
+from planner.tracing.parallel.tp_plans import decoder_blocks, step_context
 from planner.tracing.recorder import loss_of, run_step_inputs
 from planner.tracing.specs import resolve_spec
 
 TIMEOUT_S = 600
 
 
-def _rank_major(name: str, grad: torch.Tensor, ref: torch.nn.Module, tp: int) -> torch.Tensor:
-    """A one-process gradient in the row order memplan's plan stores a fused q/k/v projection's
-    parameter in (projection_styles.rank_major_order); other gradients unchanged."""
-    module_path, _, param_name = name.rpartition(".")
-    module = ref.get_submodule(module_path)
-    if module_path.rpartition(".")[2] not in FUSED_QKV:
-        return grad
-    dim = output_dim(module) if param_name == "weight" else 0
-    return grad.index_select(dim, rank_major_order(grad.shape[dim], 3, tp))
+def _rank_major(grads: dict[str, torch.Tensor], ref: torch.nn.Module, tp: int) -> dict[str, torch.Tensor]:
+    """One process's gradients in the row order memplan's plan stores a fused ``[q | k | v]``
+    projection's parameters in (projection_styles.rank_major_order); other gradients unchanged (a
+    fused projection laid out per head is sharded in its own order)."""
+    concatenated = {f"{b.path}.{q}" for b in decoder_blocks(ref) if b.qkv_sections == 3 for q in b.qkv}
+    out = {}
+    for name, grad in grads.items():
+        module_path, _, param_name = name.rpartition(".")
+        if module_path in concatenated:
+            dim = output_dim(ref.get_submodule(module_path)) if param_name == "weight" else 0
+            grad = grad.index_select(dim, rank_major_order(grad.shape[dim], 3, tp))
+        out[name] = grad
+    return out
 
 
 def _grad_error(spec: str, config, sharded, inputs) -> float:
@@ -37,7 +41,7 @@ def _grad_error(spec: str, config, sharded, inputs) -> float:
     torch.manual_seed(0)
     ref, _ = resolve_spec(spec).build(batch_size=config.batch_size, seq_len=config.seq_len)
     loss_of(run_step_inputs(ref, inputs)).backward()
-    ref_grads = {n: _rank_major(n, p.grad, ref, config.tp) for n, p in ref.named_parameters()}
+    ref_grads = _rank_major({n: p.grad for n, p in ref.named_parameters()}, ref, config.tp)
     with step_context(config):
         loss_of(run_step_inputs(sharded, inputs)).backward()
     # a gradient that is zero in exact arithmetic (a key bias under softmax) is rounding noise: the

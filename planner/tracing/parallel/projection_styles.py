@@ -27,6 +27,7 @@ __all__ = [
     "ColwiseProjection",
     "RowwiseProjection",
     "SequenceShardedPositions",
+    "input_features",
     "is_projection",
     "output_dim",
     "output_features",
@@ -53,6 +54,11 @@ def output_dim(module: nn.Module) -> int:
 def output_features(module: nn.Module) -> int:
     """A projection's output width."""
     return module.weight.shape[output_dim(module)]
+
+
+def input_features(module: nn.Module) -> int:
+    """A projection's input width."""
+    return module.weight.shape[1 - output_dim(module)]
 
 
 def rank_major_order(features: int, sections: int, world_size: int) -> torch.Tensor:
@@ -89,9 +95,28 @@ class ColwiseProjection(ColwiseParallel):
         return _distributed(self, module, device_mesh, self._partition_projection_fn)
 
 
+class _Unaliased(torch.autograd.Function):
+    """Identity whose output its caller may modify in place. ``DTensor.to_local()`` returns a view
+    made inside a custom Function, which autograd forbids modifying in place (Falcon adds its
+    attention's output into its MLP's with ``+=``); this output shares the storage and is no view."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
 class RowwiseProjection(RowwiseParallel):
     """``RowwiseParallel`` for an ``nn.Linear`` or a transposed linear (weight sharded on its input
-    rows, bias replicated)."""
+    rows, bias replicated), whose local output its caller may modify in place."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        outputs = RowwiseParallel._prepare_output_fn(output_layouts, False, mod, outputs, device_mesh)
+        return _Unaliased.apply(outputs.to_local()) if use_local_output else outputs
 
     def _partition_transposed_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         for param_name, placement in (("weight", Shard(0)), ("bias", Replicate())):

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -51,13 +52,13 @@ from planner.tracing.parallel.projection_styles import (
     ColwiseProjection,
     RowwiseProjection,
     SequenceShardedPositions,
+    input_features,
     is_projection,
     output_features,
 )
 from planner.tracing.parallel.user_plans import user_plan
 
 __all__ = [
-    "FUSED_QKV",
     "TpPlan",
     "apply_tp_plan",
     "loss_parallel_context",
@@ -71,22 +72,35 @@ TpPlan = Callable[[nn.Module, DeviceMesh], object]
 # Child names of the pieces memplan recognises (its own Llama and GPT-2, torchtitan, Hugging Face
 # Llama, GPT-2, OPT, GPT-Neo, BERT and ViT).
 _QKV = (("q_proj", "k_proj", "v_proj"), ("wq", "wk", "wv"), ("query", "key", "value"))
-FUSED_QKV = ("c_attn", "qkv")  # one projection whose output is [q | k | v] (GPT-2, timm's ViT)
-# The attentions known to lay a fused projection out as [q | k | v]; others interleave it per head
-# (GPT-BigCode, Bloom, GPT-NeoX) or per key-value group (Falcon), which a shape cannot tell apart.
-_CONCATENATED_QKV_ATTENTIONS = {
-    "GPT2Attention",  # transformers' GPT-2, and the copies in ImageGPT and Decision Transformer
-    "ImageGPTAttention",
-    "DecisionTransformerGPT2Attention",
-    "CausalSelfAttention",  # memplan's GPT-2 preset, nanoGPT, minGPT
-    "timm.models.vision_transformer.Attention",
+_FUSED_QKV = ("c_attn", "qkv", "query_key_value", "Wqkv")  # one projection for q, k and v
+# How the attentions memplan knows lay out a fused projection's output. A shape cannot tell the
+# layouts apart, so a fused projection is recognised only in these.
+# - concatenated, [q | k | v]: sharded per section (rank-major, projection_styles.py);
+# - grouped, q, k and v side by side per head (Bloom, GPT-BigCode, Persimmon, GPT-NeoX, Falcon) or per
+#   key-value group (Falcon's new decoder): a contiguous shard holds whole heads with their k and v.
+_CONCATENATED, _GROUPED = "concatenated", "grouped"
+_FUSED_QKV_LAYOUTS = {
+    "GPT2Attention": _CONCATENATED,  # transformers' GPT-2, and the copies in ImageGPT and Decision Transformer
+    "ImageGPTAttention": _CONCATENATED,
+    "DecisionTransformerGPT2Attention": _CONCATENATED,
+    "CausalSelfAttention": _CONCATENATED,  # memplan's GPT-2 preset, nanoGPT, minGPT
+    "timm.models.vision_transformer.Attention": _CONCATENATED,
+    "MptAttention": _CONCATENATED,
+    "BloomAttention": _GROUPED,
+    "GPTBigCodeAttention": _GROUPED,
+    "PersimmonAttention": _GROUPED,
+    "GPTNeoXAttention": _GROUPED,
+    "FalconAttention": _GROUPED,
 }
+# Per-head attention biases an attention takes as an argument (ALiBi), cut to the rank's heads:
+# attention class -> (argument, whether the batch is folded into the head dimension).
+_HEAD_BIASES = {"BloomAttention": ("alibi", True), "MptAttention": ("position_bias", False)}
 _OUT = ("o_proj", "wo", "out_proj", "dense", "c_proj", "proj")
-_MLP = ("mlp", "feed_forward")
+_MLP = ("mlp", "feed_forward", "ffn")
 _MOE = ("moe", "mlp", "feed_forward")  # a mixture-of-experts layer in the MLP's place (torchtitan: moe)
 _SHARED = ("shared_experts", "shared_expert")
-_UP = (("gate_proj", "up_proj"), ("w1", "w3"), ("up_proj",), ("fc1",), ("c_fc",))
-_DOWN = ("down_proj", "w2", "fc2", "c_proj")
+_UP = (("gate_proj", "up_proj"), ("w1", "w3"), ("up_proj",), ("fc1",), ("c_fc",), ("dense_h_to_4h",))
+_DOWN = ("down_proj", "w2", "fc2", "c_proj", "dense_4h_to_h")
 # (up, down) on the block itself: OPT's fc1 / fc2, BERT's and ViT's intermediate / output.
 _BLOCK_FEED_FORWARDS = ((("fc1",), "fc2"), (("intermediate.dense",), "output.dense"))
 _NORMS = (
@@ -94,10 +108,12 @@ _NORMS = (
     ("attention_norm", "ffn_norm"),
     ("input_layernorm", "post_attention_layernorm"),
     ("ln_1", "ln_2"),
+    ("norm_1", "norm_2"),
+    ("ln_attn", "ln_mlp"),
 )
 _EMBEDDING = ("embed_tokens", "tok_embeddings", "wte", "word_embeddings")
 _POSITIONS = ("wpe", "embed_positions", "position_embeddings")
-_FINAL_NORM = ("norm", "ln_f")
+_FINAL_NORM = ("norm", "ln_f", "norm_f", "final_layernorm")
 _HEAD = ("lm_head", "output")
 # Attributes holding a head count that a sharded attention must see as its local count.
 _HEAD_COUNTS = (
@@ -108,9 +124,11 @@ _HEAD_COUNTS = (
     "n_heads",
     "n_kv_heads",
     "num_attention_heads",
+    "kv_heads",
 )
-# Attributes holding the width of q (a fused projection's section) that a sharded attention splits by.
-_SECTION_WIDTHS = ("split_size",)
+# Attributes that may hold the width of q (num_heads x head_dim): where they do, a sharded attention
+# must see the rank's width (GPT-2 splits its fused output by it, XGLM reshapes heads back with it).
+_QUERY_WIDTHS = ("split_size", "embed_dim", "hidden_size", "all_head_size", "inner_dim", "kv_dim")
 
 
 def _gathered(x, device_mesh: DeviceMesh) -> DTensor:
@@ -193,11 +211,12 @@ def _outside_blocks(model: nn.Module, blocks: list[_Block], names: tuple[str, ..
 @dataclass(frozen=True)
 class _Block:
     """One recognised decoder block: the paths, relative to it, of its attention (the module that
-    holds the head counts), q/k/v (one path when `fused_qkv`) and output projections, its MLP (or
+    holds the head counts), q/k/v (one path when fused: `qkv_sections` is 3 where the fused output is
+    ``[q | k | v]``, 1 where a contiguous shard holds whole heads) and output projections, its MLP (or
     mixture-of-experts layer:
     `experts` set, `up` / `down` those of its shared expert, if any; "" where the block holds its
     projections itself) with its up and down projections, and its two norms (None where not
-    recognised: no sequence parallel there)."""
+    recognised: no sequence parallel there), and the norms over each head's features in its attention."""
 
     path: str
     attention: str
@@ -208,7 +227,8 @@ class _Block:
     down: str
     norms: tuple[str, str] | None
     experts: str | None = None
-    fused_qkv: bool = False
+    qkv_sections: int = 1
+    head_norms: tuple[str, ...] = ()
 
 
 def _linears(module: nn.Module, paths: tuple[str, ...]) -> bool:
@@ -246,54 +266,71 @@ def _moe_layer(block: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
-def _attention(block: nn.Module) -> tuple[str, tuple[str, ...], str, bool] | None:
-    """(attention path, q/k/v paths, output projection path, whether q/k/v is one fused projection)
-    within a block: the first module, the block's child or grandchild, with q/k/v projection
-    children (or one fused ``[q | k | v]`` projection three times as wide as the output projection);
-    its output projection is its own child or, as BERT and ViT lay it out, ``output.dense`` beside it."""
+def _attention(block: nn.Module) -> tuple[str, tuple[str, ...], str, int, tuple[str, ...]] | None:
+    """(attention path, q/k/v paths, output projection path, q/k/v sections: 3 for a fused
+    ``[q | k | v]``, norm paths: :func:`_head_norms`) within a block: the first module, the block's
+    child or grandchild, with q/k/v projection
+    children (or one fused projection, laid out as :data:`_FUSED_QKV_LAYOUTS` says); its output
+    projection is its own child or, as BERT and ViT lay it out, ``output.dense`` beside it."""
     for path, module in block.named_modules():
         if not path or path.count(".") > 1:
             continue
         qkv = next((names for names in _QKV if _linears(module, names)), None)
-        fused = qkv is None
-        if fused and _concatenates_qkv(module):
-            qkv = next(((name,) for name in FUSED_QKV if _linears(module, (name,))), None)
+        layout = _fused_layout(module) if qkv is None else None
+        if layout is not None:
+            qkv = next(((name,) for name in _FUSED_QKV if _linears(module, (name,))), None)
         if qkv is None:
             continue
         parent = path.rpartition(".")[0]
         outs = [_joined(path, name) for name in _OUT] + ([_joined(parent, "output.dense")] if parent else [])
         out = next((o for o in outs if _linears(block, (o,))), None)
-        if out is None or not _only_projections(block, path, (*(_joined(path, n) for n in qkv), out)):
+        if out is None:
             return None
-        if fused and output_features(module.get_submodule(qkv[0])) != 3 * output_features(block.get_submodule(out)):
+        head_norms = _head_norms(block, path, (*(_joined(path, n) for n in qkv), out))
+        if head_norms is None:
             return None
-        return path, tuple(_joined(path, n) for n in qkv), out, fused
+        sections = 3 if layout == _CONCATENATED else 1
+        if sections == 3 and output_features(module.get_submodule(qkv[0])) != 3 * output_features(
+            block.get_submodule(out)
+        ):
+            return None
+        return path, tuple(_joined(path, n) for n in qkv), out, sections, head_norms
     return None
 
 
-def _concatenates_qkv(attention: nn.Module) -> bool:
-    cls = type(attention)
-    return (
-        cls.__name__ in _CONCATENATED_QKV_ATTENTIONS
-        or f"{cls.__module__}.{cls.__name__}" in _CONCATENATED_QKV_ATTENTIONS
-    )
+def _class_entry(table: dict[str, Any], module: nn.Module) -> Any:
+    """`table`'s entry for `module`'s class, by name or by qualified name."""
+    cls = type(module)
+    return table.get(cls.__name__, table.get(f"{cls.__module__}.{cls.__name__}"))
 
 
-def _only_projections(block: nn.Module, attention: str, projections: tuple[str, ...]) -> bool:
-    """Whether the attention's parameters are its projections' and its norms' only: per-head
-    parameters (Swin's relative position bias table) would need sharding this plan does not do."""
-    for name, _ in block.get_submodule(attention).named_parameters():
-        path = _joined(attention, name)
-        if not path.startswith(tuple(p + "." for p in projections)) and "norm" not in name.lower():
-            return False
-    return True
+def _fused_layout(attention: nn.Module) -> str | None:
+    return _class_entry(_FUSED_QKV_LAYOUTS, attention)
+
+
+def _head_norms(block: nn.Module, attention: str, projections: tuple[str, ...]) -> tuple[str, ...] | None:
+    """Paths of the attention's norms over each head's features (Persimmon's q and k layernorms: one
+    module as wide as a head), or None where it holds other parameters than these and its
+    projections': per-head parameters (Swin's relative position bias table, StableLM's norm per
+    head) or a norm over all heads (OLMo2's) would need sharding this plan does not do."""
+    module = block.get_submodule(attention)
+    norms = set()
+    for name, param in module.named_parameters():
+        if _joined(attention, name).startswith(tuple(p + "." for p in projections)):
+            continue
+        owner = name.rpartition(".")[0]
+        one_module = owner and not any(part.isdigit() for part in owner.split("."))
+        if not (one_module and "norm" in owner.lower() and param.shape == (getattr(module, "head_dim", None),)):
+            return None
+        norms.add(_joined(attention, owner))
+    return tuple(sorted(norms))
 
 
 def _recognise_block(path: str, block: nn.Module) -> _Block | None:
     found = _attention(block)
     if found is None:
         return None
-    *attention, fused = found
+    *attention, sections, head_norms = found
     norms = next((pair for pair in _NORMS if all(isinstance(getattr(block, n, None), nn.Module) for n in pair)), None)
     if (moe := _moe_layer(block)) is not None:
         shared = _child(moe[1], _SHARED)
@@ -301,13 +338,13 @@ def _recognise_block(path: str, block: nn.Module) -> _Block | None:
         if shared is not None and ffn is None:
             return None
         up, down = ffn or ((), "")
-        return _Block(path, *attention, moe[0], up, down, norms, _joined(moe[0], "experts"), fused)
+        return _Block(path, *attention, moe[0], up, down, norms, _joined(moe[0], "experts"), sections, head_norms)
     mlp = _child(block, _MLP)
     if mlp is not None and (ffn := _feed_forward(mlp[1], mlp[0])) is not None:
-        return _Block(path, *attention, mlp[0], *ffn, norms, fused_qkv=fused)
+        return _Block(path, *attention, mlp[0], *ffn, norms, qkv_sections=sections, head_norms=head_norms)
     for up, down in _BLOCK_FEED_FORWARDS:
         if _linears(block, (*up, down)):
-            return _Block(path, *attention, "", up, down, norms, fused_qkv=fused)
+            return _Block(path, *attention, "", up, down, norms, qkv_sections=sections, head_norms=head_norms)
     return None
 
 
@@ -324,6 +361,7 @@ _HEAD_WORDS = {
     "num_kv_heads": "key-value heads",
     "n_kv_heads": "key-value heads",
     "num_key_value_heads": "key-value heads",
+    "kv_heads": "key-value heads",
 }
 
 
@@ -355,6 +393,14 @@ def _memplan_plan(
     for b in blocks:
         attention = model.get_submodule(f"{b.path}.{b.attention}")
         check_heads(f"{b.path}.{b.attention}", {a: getattr(attention, a, None) for a in _HEAD_COUNTS}, tp)
+        if (
+            getattr(getattr(attention, "config", None), "alibi", False)
+            and _class_entry(_HEAD_BIASES, attention) is None
+        ):
+            raise SpecError(
+                f"{b.path}.{b.attention} adds per-head ALiBi biases through its attention mask, which --tp-plan auto "
+                "does not cut to each rank's heads; pass --tp-plan PATH.py:FUNC with your own plan"
+            )
     tied = _tied_groups(model)
     seq = Shard(1)
     top: dict[str, ParallelStyle] = {}
@@ -374,7 +420,11 @@ def _memplan_plan(
     for b in blocks:
         plan: dict[str, ParallelStyle] = {}
         for path in b.qkv:
-            plan[path] = ColwiseProjection(sections=3 if b.fused_qkv else 1)
+            plan[path] = ColwiseProjection(sections=b.qkv_sections)
+        for path in b.head_norms:
+            # the rank's heads through a norm replicated on every rank: its input taken as sharded
+            # on a dimension it does not normalise, so DTensor sums its gradients over the ranks
+            plan[path] = SequenceParallel(sequence_dim=0, use_local_output=True)
         out_layout = seq if sequence_parallel else None
         plan[b.out] = RowwiseProjection(output_layouts=out_layout)
         for path in b.up:
@@ -398,15 +448,49 @@ def _memplan_plan(
             plan[b.attention] = _ReplicateFirstInput()
             if b.experts is None:
                 plan[b.mlp] = _ReplicateFirstInput()
+        query_width = input_features(model.get_submodule(f"{b.path}.{b.out}"))
         parallelize_module(model.get_submodule(b.path), tp_mesh, plan)
-        attention = model.get_submodule(f"{b.path}.{b.attention}")
-        for attr in (*_HEAD_COUNTS, *_SECTION_WIDTHS):
-            if isinstance(getattr(attention, attr, None), int):
-                setattr(attention, attr, getattr(attention, attr) // tp)
+        _localise(model.get_submodule(f"{b.path}.{b.attention}"), tp_mesh, query_width)
     _keep_tied_whole(top, tied, sequence_parallel)
     if top:
         parallelize_module(model, tp_mesh, top)
     _tie_again(model, tied)
+
+
+def _localise(attention: nn.Module, tp_mesh: DeviceMesh, query_width: int) -> None:
+    """A sharded attention made to compute the rank's heads: its head counts and q widths divided by
+    tp, and the per-head biases it takes (:data:`_HEAD_BIASES`) cut to the rank's heads."""
+    tp = tp_mesh.size()
+    if (bias := _class_entry(_HEAD_BIASES, attention)) is not None:
+        heads = next(getattr(attention, a) for a in _HEAD_COUNTS if isinstance(getattr(attention, a, None), int))
+        cut = partial(_rank_heads, heads=heads, tp=tp, rank=tp_mesh.get_local_rank(), batch_folded=bias[1])
+        attention.register_forward_pre_hook(partial(_cut_argument, bias[0], cut), with_kwargs=True)
+    for attr in _HEAD_COUNTS:
+        if isinstance(getattr(attention, attr, None), int):
+            setattr(attention, attr, getattr(attention, attr) // tp)
+    for attr in _QUERY_WIDTHS:
+        if getattr(attention, attr, None) == query_width:
+            setattr(attention, attr, query_width // tp)
+
+
+def _rank_heads(bias: torch.Tensor, heads: int, tp: int, rank: int, batch_folded: bool) -> torch.Tensor:
+    """The rows of a per-head bias (heads first, or batch x heads folded into dim 0) of the rank's heads."""
+    local = heads // tp
+    if batch_folded:
+        return bias.unflatten(0, (-1, heads))[:, rank * local : (rank + 1) * local].flatten(0, 1)
+    return bias[rank * local : (rank + 1) * local]
+
+
+def _cut_argument(name: str, cut: Callable, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A forward pre-hook: the argument `name` (by keyword or position), where given, passed through `cut`."""
+    if kwargs.get(name) is not None:
+        kwargs[name] = cut(kwargs[name])
+        return args, kwargs
+    parameters = list(inspect.signature(type(module).forward).parameters)[1:]  # after self
+    index = parameters.index(name) if name in parameters else len(args)
+    if index < len(args) and args[index] is not None:
+        args = (*args[:index], cut(args[index]), *args[index + 1 :])
+    return args, kwargs
 
 
 def _tied_groups(model: nn.Module) -> list[list[str]]:
