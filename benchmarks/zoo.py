@@ -48,6 +48,7 @@ ZOO = [
     ("qwen2_moe", 4, 64, 0.03),  # routed experts plus a gated shared expert
     ("whisper", 2, 32, 0.01),  # audio encoder-decoder (seq_len: encoder positions)
     ("mamba", 4, 32, 0.01),  # state-space blocks, no attention
+    ("torch_transformer", 4, 32, 0.01),  # torch's nn.Transformer: deep-copied layers, padding masks
 ]
 
 

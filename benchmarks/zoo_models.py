@@ -198,6 +198,36 @@ def attribute_layers(batch_size: int, seq_len: int):
     return AttributeLayers(), (torch.randn(batch_size, seq_len, 32),)
 
 
+class TorchSeq2Seq(nn.Module):
+    """torch's own ``nn.Transformer`` (encoder and decoder layers deep-copied from one, as torch
+    builds them), token embeddings and a head: source padding masked, the target causal."""
+
+    def __init__(self, width: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, width)
+        self.transformer = nn.Transformer(width, heads, 2, 2, 4 * width, dropout=0.0, batch_first=True)
+        self.lm_head = nn.Linear(width, VOCAB)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_padding: torch.Tensor, labels: torch.Tensor):
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        out = self.transformer(
+            self.embed_tokens(src),
+            self.embed_tokens(tgt),
+            tgt_mask=causal,
+            tgt_is_causal=True,
+            src_key_padding_mask=src_padding,
+            memory_key_padding_mask=src_padding,
+        )
+        return nn.functional.cross_entropy(self.lm_head(out).flatten(0, 1), labels.flatten())
+
+
+def torch_transformer(batch_size: int, seq_len: int):
+    padding = torch.zeros(batch_size, seq_len, dtype=torch.bool)
+    padding[1:, seq_len // 2 :] = True  # every sequence but the first padded to half its length
+    inputs = {"src": _tokens(batch_size, seq_len), "tgt": _tokens(batch_size, seq_len), "src_padding": padding}
+    return TorchSeq2Seq(), inputs | {"labels": _tokens(batch_size, seq_len)}
+
+
 # The robustness sweep (benchmarks/results/2026-12-02-zoo-sweep.md): more architectures from tiny
 # configs; benchmarks/zoo.py's ZOO runs the cheapest representative ones.
 def _decoder(cls_name: str, config_name: str, **kw):

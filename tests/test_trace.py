@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from collections import Counter
@@ -13,6 +14,7 @@ from torch import nn
 from planner.errors import TraceError
 from planner.tracing.graph import CATEGORIES, PHASES
 from planner.tracing.recorder import cast_parameters, trace
+from planner.tracing.specs import ModelSpec
 
 PRESETS = ["llama-7b-tiny", "gpt2-tiny", "mistral-7b-tiny", "resnet-tiny", "kwargs-tiny", "mlp-tiny", "bert-tiny"]
 SEQ = {"resnet-tiny": 16, "mlp-tiny": 8}
@@ -309,3 +311,29 @@ def test_a_model_refusing_its_inputs_is_told_to_check_the_shapes(bad_models):
         trace(f"{bad_models}:fixed_size_model", batch_size=1, seq_len=4)
     _one_line_naming(str(info.value), "ValueError", "doesn't match model (16)", "--seq-len")
     assert "data-dependent" not in str(info.value)
+
+
+def test_a_model_that_deep_copies_its_layers_traces_as_one_that_builds_them():
+    """nn.TransformerEncoder deep-copies its layer. torch's deep copy of a fake tensor copies its
+    mode too, and each view of the copy then had a storage of its own: every transpose of a weight
+    was counted as a new tensor (+15% on two layers). The trace's mode is its own copy."""
+    from planner.tracing.fake_mode import TraceFakeMode
+
+    def layer() -> nn.Module:
+        return nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+
+    with TraceFakeMode():
+        weight = copy.deepcopy(nn.Linear(4, 8)).weight
+        assert weight.t().untyped_storage()._cdata == weight.untyped_storage()._cdata
+
+    def build(deep_copied: bool, batch_size: int, seq_len: int):
+        layers = nn.TransformerEncoder(layer(), 2, enable_nested_tensor=False) if deep_copied else None
+        model = nn.Sequential(layers if deep_copied else nn.Sequential(layer(), layer()))
+        return model, (torch.randn(batch_size, seq_len, 32),)
+
+    storages = {}
+    for deep_copied in (True, False):
+        spec = ModelSpec("encoder", "", functools.partial(build, deep_copied))
+        graph = trace(spec, batch_size=2, seq_len=16)
+        storages[deep_copied] = sorted((t.alloc_op, t.nbytes, t.category) for t in graph.tensors.values())
+    assert storages[True] == storages[False]

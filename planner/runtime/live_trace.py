@@ -25,11 +25,12 @@ from torch.distributed.tensor import DTensor
 
 from costmodels.hardware import get_device
 from costmodels.memory import get_precision
-from memplan_compat import FakeTensor, FakeTensorMode, tree_leaves, tree_map
+from memplan_compat import FakeTensor, tree_leaves, tree_map
 from memplan_compat import disable_current_modes as _disable_current_modes
 from planner.errors import MemplanError, TraceError
 from planner.runtime.apply import batch_seq_len
 from planner.tracing.attention import TargetAttention
+from planner.tracing.fake_mode import TraceFakeMode
 from planner.tracing.graph import OpGraph
 from planner.tracing.hf import disable_kv_cache, eager_transformers
 from planner.tracing.moe import RoutingAssumption
@@ -139,7 +140,7 @@ class LiveTracer:
         self.target = get_device(gpu)  # attention runs the kernels this device picks (tracing/attention.py)
         self.name = name
         self.blocks = tuple(blocks)
-        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.fake_mode = TraceFakeMode()
         self.routing = RoutingAssumption(moe_imbalance)  # mixture-of-experts routing (tracing/moe.py)
         self.shadow = ShadowMode(self.fake_mode, route=self.routing)
         self.layout = live_layout(model)

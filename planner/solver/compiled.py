@@ -19,7 +19,6 @@ from ortools.sat.python import cp_model
 from torch import nn
 
 from costmodels.hardware import DeviceSpec, get_device
-from memplan_compat import FakeTensorMode
 from planner.budgets import parse_budget
 from planner.config import TrainConfig
 from planner.errors import InfeasibleBudget, SolverTimeout, SpecError, TraceError
@@ -32,6 +31,7 @@ from planner.simulation.partitioner import BUDGETS, block_call, block_frontier, 
 from planner.simulation.step import simulate
 from planner.solver.cpsat_solver import deterministic_solver
 from planner.solver.planning import graph_model_info
+from planner.tracing.fake_mode import TraceFakeMode
 from planner.tracing.graph import OpGraph
 from planner.tracing.hf import disable_kv_cache, skip_init
 from planner.tracing.inductor_layout import WHOLE_MODEL, inductor_options
@@ -215,7 +215,7 @@ def plan_compiled(
     budget_bytes = parse_budget(budget, timeline.peak_bytes)
     device = get_device(config.gpu)
     frontiers: dict[str, list[CompiledPoint]] = {}
-    with FakeTensorMode(allow_non_fake_inputs=True), skip_init():
+    with TraceFakeMode(), skip_init():
         model, inputs = resolve_spec(spec).build(batch_size=config.batch_size, seq_len=config.seq_len)
         model.train()
         disable_kv_cache(model)  # as the trace and compile_blocks run it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -11,8 +12,8 @@ from torch import nn
 
 import memplan_compat
 from costmodels.hardware import get_device
-from memplan_compat import FakeTensorMode
 from planner.tracing.attention import TargetAttention
+from planner.tracing.fake_mode import TraceFakeMode
 from planner.tracing.hf import disable_kv_cache, eager_transformers, skip_init
 from planner.tracing.moe import RoutingAssumption
 from planner.tracing.shadow import ShadowMode
@@ -40,12 +41,15 @@ def fake_model(
         log = memplan_compat.fake_tensor_log
         stack.callback(log.setLevel, log.level)
         log.setLevel(logging.CRITICAL)
-        fake_mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        fake_mode = stack.enter_context(TraceFakeMode())
         if device.is_cuda:
             stack.enter_context(TargetAttention(device))
         routing = RoutingAssumption(moe_imbalance)
         stack.enter_context(ShadowMode(fake_mode, route=routing))
-        with skip_init():
+        with skip_init(), warnings.catch_warnings():
+            # torch's Tensor.__deepcopy__ reads a fake storage's data pointer (nn.TransformerEncoder
+            # copies its layer) and warns that it means nothing; nothing here reads it
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             model, inputs = spec.build(batch_size=batch_size, seq_len=seq_len)
         stack.enter_context(eager_transformers())
         disable_kv_cache(model)
