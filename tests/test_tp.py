@@ -537,6 +537,47 @@ def test_an_attention_with_per_head_parameters_is_not_recognised():
     assert [b.head_norms for b in decoder_blocks(nn.ModuleList([block(None)]))] == [()]
 
 
+TORCH_LAYERS = {  # models on torch's nn.MultiheadAttention
+    "encoder": f"{HERE / 'tp_models.py'}:encoder_lm",
+    "encoder-sequence-first": f"{HERE / 'tp_models.py'}:encoder_lm_sequence_first",
+    "seq2seq": f"{HERE.parent / 'benchmarks' / 'zoo_models.py'}:torch_transformer",  # cross-attention, padding
+}
+
+
+def test_memplan_plan_recognises_torch_transformer_layers():
+    """nn.TransformerEncoderLayer / DecoderLayer: the self-attention (an nn.MultiheadAttention, sharded
+    by its own style) and linear1 / linear2; a decoder's cross-attention stays whole. Sequence
+    parallel is refused in one line."""
+    from planner.tracing.parallel.tp_plans import decoder_blocks
+
+    model, _ = resolve_spec(TORCH_LAYERS["seq2seq"]).build(batch_size=2, seq_len=32)
+    blocks = decoder_blocks(model)
+    assert len(blocks) == 4
+    assert {(b.attention, b.qkv, b.out, b.up, b.down, b.multihead_attention) for b in blocks} == {
+        ("self_attn", (), "", ("linear1",), "linear2", True)
+    }
+    config = TrainConfig(batch_size=2, seq_len=32, gpu="cpu")
+    assert simulate_ranks(TORCH_LAYERS["encoder"], config.with_(tp=2, sequence_parallel=False)).peak_bytes < (
+        simulate_ranks(TORCH_LAYERS["encoder"], config).peak_bytes
+    )
+    with pytest.raises(SpecError, match="nn.MultiheadAttention, which memplan's plan shards without sequence"):
+        simulate_ranks(TORCH_LAYERS["encoder"], config.with_(tp=2))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_memplan_plan_on_torch_transformer_layers_matches_gloo_ranks():
+    """torch's layers under memplan's plan (--no-sp) on 2 gloo ranks: every rank's peak to the byte,
+    gradients equal to one process (in_proj rows in the plan's rank-major order)."""
+    config = _config(tp=2, sequence_parallel=False).with_(seq_len=32)
+    measured = run_on_ranks([(key, spec, config, None) for key, spec in TORCH_LAYERS.items()], config.world_size)
+    for key, spec in TORCH_LAYERS.items():
+        want = _by_rank(simulate_ranks(spec, config))
+        peaks, grad_error = measured[key]
+        assert all(abs(w - got) <= TOLERANCE * got for w, got in zip(want, peaks)), (key, want, peaks)
+        assert grad_error == 0.0, key
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_memplan_plan_on_other_transformers_layouts_matches_gloo_ranks():

@@ -91,3 +91,34 @@ def titan_uneven_vocab(batch_size: int, seq_len: int):
     model = Transformer(509, 128, 2, 8, 4, 384)
     tokens = torch.randint(0, 509, (batch_size, seq_len))
     return model, (tokens, torch.roll(tokens, -1, dims=1))
+
+
+class EncoderLM(nn.Module):
+    """A causal language model on torch's nn.TransformerEncoder (nn.MultiheadAttention, linear1 /
+    linear2 on the layer), batch first or sequence first."""
+
+    def __init__(self, batch_first: bool, vocab: int = 128, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=batch_first)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.lm_head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(tokens)
+        h = h if self.batch_first else h.transpose(0, 1)
+        causal = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        h = self.encoder(h, mask=causal, is_causal=True)
+        h = h if self.batch_first else h.transpose(0, 1)
+        return F.cross_entropy(self.lm_head(h).flatten(0, 1), labels.flatten())
+
+
+def encoder_lm(batch_size: int, seq_len: int):
+    tokens = torch.randint(0, 128, (batch_size, seq_len))
+    return EncoderLM(batch_first=True), (tokens, torch.roll(tokens, -1, dims=1))
+
+
+def encoder_lm_sequence_first(batch_size: int, seq_len: int):
+    tokens = torch.randint(0, 128, (batch_size, seq_len))
+    return EncoderLM(batch_first=False), (tokens, torch.roll(tokens, -1, dims=1))

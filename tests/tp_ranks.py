@@ -23,14 +23,22 @@ TIMEOUT_S = 600
 
 def _rank_major(grads: dict[str, torch.Tensor], ref: torch.nn.Module, tp: int) -> dict[str, torch.Tensor]:
     """One process's gradients in the row order memplan's plan stores a fused ``[q | k | v]``
-    projection's parameters in (projection_styles.rank_major_order); other gradients unchanged (a
-    fused projection laid out per head is sharded in its own order)."""
-    concatenated = {f"{b.path}.{q}" for b in decoder_blocks(ref) if b.qkv_sections == 3 for q in b.qkv}
+    projection's parameters (and an ``nn.MultiheadAttention``'s ``in_proj``) in
+    (projection_styles.rank_major_order); other gradients unchanged (a fused projection laid out per
+    head is sharded in its own order)."""
+    reordered: dict[str, int] = {}  # parameter name -> the dimension of its output features
+    for b in decoder_blocks(ref):
+        if b.multihead_attention:
+            reordered |= {f"{b.path}.{b.attention}.in_proj_{name}": 0 for name in ("weight", "bias")}
+        for q in b.qkv if b.qkv_sections == 3 else ():
+            reordered |= {
+                f"{b.path}.{q}.weight": output_dim(ref.get_submodule(f"{b.path}.{q}")),
+                f"{b.path}.{q}.bias": 0,
+            }
     out = {}
     for name, grad in grads.items():
-        module_path, _, param_name = name.rpartition(".")
-        if module_path in concatenated:
-            dim = output_dim(ref.get_submodule(module_path)) if param_name == "weight" else 0
+        if name in reordered:
+            dim = reordered[name]
             grad = grad.index_select(dim, rank_major_order(grad.shape[dim], 3, tp))
         out[name] = grad
     return out

@@ -48,6 +48,7 @@ from planner.config import TrainConfig
 from planner.errors import SpecError
 from planner.tracing.parallel.ep_plans import expert_hidden_dims, is_grouped_experts
 from planner.tracing.parallel.expert_parallel import GroupedExpertsTensorParallel
+from planner.tracing.parallel.multihead_attention import MultiheadAttentionParallel, check_multihead_attention
 from planner.tracing.parallel.projection_styles import (
     ColwiseProjection,
     RowwiseProjection,
@@ -101,8 +102,9 @@ _MOE = ("moe", "mlp", "feed_forward")  # a mixture-of-experts layer in the MLP's
 _SHARED = ("shared_experts", "shared_expert")
 _UP = (("gate_proj", "up_proj"), ("w1", "w3"), ("up_proj",), ("fc1",), ("c_fc",), ("dense_h_to_4h",))
 _DOWN = ("down_proj", "w2", "fc2", "c_proj", "dense_4h_to_h")
-# (up, down) on the block itself: OPT's fc1 / fc2, BERT's and ViT's intermediate / output.
-_BLOCK_FEED_FORWARDS = ((("fc1",), "fc2"), (("intermediate.dense",), "output.dense"))
+# (up, down) on the block itself: OPT's fc1 / fc2, BERT's and ViT's intermediate / output, torch's
+# nn.TransformerEncoderLayer's linear1 / linear2.
+_BLOCK_FEED_FORWARDS = ((("fc1",), "fc2"), (("intermediate.dense",), "output.dense"), (("linear1",), "linear2"))
 _NORMS = (
     ("attn_norm", "mlp_norm"),
     ("attention_norm", "ffn_norm"),
@@ -110,6 +112,7 @@ _NORMS = (
     ("ln_1", "ln_2"),
     ("norm_1", "norm_2"),
     ("ln_attn", "ln_mlp"),
+    ("norm1", "norm2"),
 )
 _EMBEDDING = ("embed_tokens", "tok_embeddings", "wte", "word_embeddings")
 _POSITIONS = ("wpe", "embed_positions", "position_embeddings")
@@ -216,7 +219,8 @@ class _Block:
     mixture-of-experts layer:
     `experts` set, `up` / `down` those of its shared expert, if any; "" where the block holds its
     projections itself) with its up and down projections, and its two norms (None where not
-    recognised: no sequence parallel there), and the norms over each head's features in its attention."""
+    recognised: no sequence parallel there), the norms over each head's features in its attention, and
+    whether that attention is an ``nn.MultiheadAttention`` (no q/k/v and output paths then)."""
 
     path: str
     attention: str
@@ -229,6 +233,7 @@ class _Block:
     experts: str | None = None
     qkv_sections: int = 1
     head_norms: tuple[str, ...] = ()
+    multihead_attention: bool = False
 
 
 def _linears(module: nn.Module, paths: tuple[str, ...]) -> bool:
@@ -248,10 +253,19 @@ def _joined(*parts: str) -> str:
 
 
 def _feed_forward(module: nn.Module, prefix: str = "") -> tuple[tuple[str, ...], str] | None:
-    """(up, down) Linear paths, under `prefix`, of a feed-forward module (gated or not)."""
+    """(up, down) Linear paths, under `prefix`, of a feed-forward module (gated or not, or a
+    sequence of two linears with an activation between: torchvision's ``MLPBlock``), or None where it
+    holds parameters besides theirs (a learnable activation would see only the rank's hidden units)."""
     up = next((names for names in _UP if _linears(module, names)), None)
     down = next((name for name in _DOWN if _linears(module, (name,))), None)
+    if (up is None or down is None) and isinstance(module, nn.Sequential):
+        linears = [name for name, child in module.named_children() if isinstance(child, nn.Linear)]
+        if len(linears) == 2:
+            up, down = (linears[0],), linears[1]
     if up is None or down is None:
+        return None
+    projections = tuple(f"{name}." for name in (*up, down))
+    if any(not name.startswith(projections) for name, _ in module.named_parameters()):
         return None
     return tuple(_joined(prefix, n) for n in up), _joined(prefix, down)
 
@@ -266,15 +280,18 @@ def _moe_layer(block: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
-def _attention(block: nn.Module) -> tuple[str, tuple[str, ...], str, int, tuple[str, ...]] | None:
+def _attention(block: nn.Module) -> tuple[str, tuple[str, ...], str, int, tuple[str, ...], bool] | None:
     """(attention path, q/k/v paths, output projection path, q/k/v sections: 3 for a fused
-    ``[q | k | v]``, norm paths: :func:`_head_norms`) within a block: the first module, the block's
-    child or grandchild, with q/k/v projection
+    ``[q | k | v]``, norm paths: :func:`_head_norms`, whether it is an ``nn.MultiheadAttention``)
+    within a block: the first module, the block's child or grandchild, that is an
+    ``nn.MultiheadAttention`` (no projection paths: multihead_attention.py shards it) or has q/k/v projection
     children (or one fused projection, laid out as :data:`_FUSED_QKV_LAYOUTS` says); its output
     projection is its own child or, as BERT and ViT lay it out, ``output.dense`` beside it."""
     for path, module in block.named_modules():
         if not path or path.count(".") > 1:
             continue
+        if isinstance(module, nn.MultiheadAttention):
+            return path, (), "", 1, (), True
         qkv = next((names for names in _QKV if _linears(module, names)), None)
         layout = _fused_layout(module) if qkv is None else None
         if layout is not None:
@@ -294,7 +311,7 @@ def _attention(block: nn.Module) -> tuple[str, tuple[str, ...], str, int, tuple[
             block.get_submodule(out)
         ):
             return None
-        return path, tuple(_joined(path, n) for n in qkv), out, sections, head_norms
+        return path, tuple(_joined(path, n) for n in qkv), out, sections, head_norms, False
     return None
 
 
@@ -330,7 +347,8 @@ def _recognise_block(path: str, block: nn.Module) -> _Block | None:
     found = _attention(block)
     if found is None:
         return None
-    *attention, sections, head_norms = found
+    *attention, sections, head_norms, multihead = found
+    details = {"qkv_sections": sections, "head_norms": head_norms, "multihead_attention": multihead}
     norms = next((pair for pair in _NORMS if all(isinstance(getattr(block, n, None), nn.Module) for n in pair)), None)
     if (moe := _moe_layer(block)) is not None:
         shared = _child(moe[1], _SHARED)
@@ -338,13 +356,13 @@ def _recognise_block(path: str, block: nn.Module) -> _Block | None:
         if shared is not None and ffn is None:
             return None
         up, down = ffn or ((), "")
-        return _Block(path, *attention, moe[0], up, down, norms, _joined(moe[0], "experts"), sections, head_norms)
+        return _Block(path, *attention, moe[0], up, down, norms, _joined(moe[0], "experts"), **details)
     mlp = _child(block, _MLP)
     if mlp is not None and (ffn := _feed_forward(mlp[1], mlp[0])) is not None:
-        return _Block(path, *attention, mlp[0], *ffn, norms, qkv_sections=sections, head_norms=head_norms)
+        return _Block(path, *attention, mlp[0], *ffn, norms, **details)
     for up, down in _BLOCK_FEED_FORWARDS:
         if _linears(block, (*up, down)):
-            return _Block(path, *attention, "", up, down, norms, qkv_sections=sections, head_norms=head_norms)
+            return _Block(path, *attention, "", up, down, norms, **details)
     return None
 
 
@@ -393,6 +411,8 @@ def _memplan_plan(
     for b in blocks:
         attention = model.get_submodule(f"{b.path}.{b.attention}")
         check_heads(f"{b.path}.{b.attention}", {a: getattr(attention, a, None) for a in _HEAD_COUNTS}, tp)
+        if b.multihead_attention:
+            check_multihead_attention(attention, f"{b.path}.{b.attention}")
         if (
             getattr(getattr(attention, "config", None), "alibi", False)
             and _class_entry(_HEAD_BIASES, attention) is None
@@ -406,6 +426,12 @@ def _memplan_plan(
     top: dict[str, ParallelStyle] = {}
     if (emb := _outside_blocks(model, blocks, _EMBEDDING)) is not None and isinstance(emb[1], nn.Embedding):
         top[emb[0]] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sequence_parallel else None)
+    elif sequence_parallel:
+        raise SpecError(
+            f"sequence parallel starts where the token embedding's output is cut over the sequence, and memplan "
+            f"recognises no token embedding in {type(model).__name__}; pass --no-sp, or --tp-plan PATH.py:FUNC with "
+            "your own plan"
+        )
     positions = _outside_blocks(model, blocks, _POSITIONS)
     if sequence_parallel and positions is not None and isinstance(positions[1], nn.Embedding):
         top[positions[0]] = SequenceShardedPositions()
@@ -421,12 +447,15 @@ def _memplan_plan(
         plan: dict[str, ParallelStyle] = {}
         for path in b.qkv:
             plan[path] = ColwiseProjection(sections=b.qkv_sections)
+        if b.multihead_attention:
+            plan[b.attention] = MultiheadAttentionParallel()
         for path in b.head_norms:
             # the rank's heads through a norm replicated on every rank: its input taken as sharded
             # on a dimension it does not normalise, so DTensor sums its gradients over the ranks
             plan[path] = SequenceParallel(sequence_dim=0, use_local_output=True)
         out_layout = seq if sequence_parallel else None
-        plan[b.out] = RowwiseProjection(output_layouts=out_layout)
+        if b.out:
+            plan[b.out] = RowwiseProjection(output_layouts=out_layout)
         for path in b.up:
             plan[path] = ColwiseProjection()
         if b.down:  # a shared expert's output is the layer's partial sum, reduced with the experts'
@@ -438,6 +467,11 @@ def _memplan_plan(
                 hidden = expert_hidden_dims(model.get_submodule(experts), experts)
                 plan[b.experts] = GroupedExpertsTensorParallel(hidden)
         if sequence_parallel:
+            if b.multihead_attention:
+                raise SpecError(
+                    f"{b.path}.{b.attention} is an nn.MultiheadAttention, which memplan's plan shards without sequence "
+                    "parallel only; pass --no-sp, or --tp-plan PATH.py:FUNC with your own plan"
+                )
             if b.norms is None or not b.mlp:
                 raise SpecError(
                     f"sequence parallel runs a block's norms on sequence shards, and memplan does not recognise the "
@@ -448,9 +482,10 @@ def _memplan_plan(
             plan[b.attention] = _ReplicateFirstInput()
             if b.experts is None:
                 plan[b.mlp] = _ReplicateFirstInput()
-        query_width = input_features(model.get_submodule(f"{b.path}.{b.out}"))
+        query_width = input_features(model.get_submodule(f"{b.path}.{b.out}")) if b.out else 0
         parallelize_module(model.get_submodule(b.path), tp_mesh, plan)
-        _localise(model.get_submodule(f"{b.path}.{b.attention}"), tp_mesh, query_width)
+        if not b.multihead_attention:  # the style computes the rank's heads itself
+            _localise(model.get_submodule(f"{b.path}.{b.attention}"), tp_mesh, query_width)
     _keep_tied_whole(top, tied, sequence_parallel)
     if top:
         parallelize_module(model, tp_mesh, top)
