@@ -541,13 +541,14 @@ TORCH_LAYERS = {  # models on torch's nn.MultiheadAttention
     "encoder": f"{HERE / 'tp_models.py'}:encoder_lm",
     "encoder-sequence-first": f"{HERE / 'tp_models.py'}:encoder_lm_sequence_first",
     "seq2seq": f"{HERE.parent / 'benchmarks' / 'zoo_models.py'}:torch_transformer",  # cross-attention, padding
+    "vision": f"{HERE / 'tp_models.py'}:vision_transformer",  # torchvision's ViT layout
 }
 
 
 def test_memplan_plan_recognises_torch_transformer_layers():
     """nn.TransformerEncoderLayer / DecoderLayer: the self-attention (an nn.MultiheadAttention, sharded
-    by its own style) and linear1 / linear2; a decoder's cross-attention stays whole. Sequence
-    parallel is refused in one line."""
+    by its own style) and linear1 / linear2; a decoder's cross-attention stays whole; torchvision's
+    ViT block with its nn.Sequential MLP. Sequence parallel is refused in one line."""
     from planner.tracing.parallel.tp_plans import decoder_blocks
 
     model, _ = resolve_spec(TORCH_LAYERS["seq2seq"]).build(batch_size=2, seq_len=32)
@@ -555,6 +556,10 @@ def test_memplan_plan_recognises_torch_transformer_layers():
     assert len(blocks) == 4
     assert {(b.attention, b.qkv, b.out, b.up, b.down, b.multihead_attention) for b in blocks} == {
         ("self_attn", (), "", ("linear1",), "linear2", True)
+    }
+    vision, _ = resolve_spec(TORCH_LAYERS["vision"]).build(batch_size=2, seq_len=32)
+    assert {(b.attention, b.up, b.down, b.multihead_attention) for b in decoder_blocks(vision)} == {
+        ("self_attention", ("mlp.0",), "mlp.3", True)
     }
     config = TrainConfig(batch_size=2, seq_len=32, gpu="cpu")
     assert simulate_ranks(TORCH_LAYERS["encoder"], config.with_(tp=2, sequence_parallel=False)).peak_bytes < (

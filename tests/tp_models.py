@@ -122,3 +122,45 @@ def encoder_lm(batch_size: int, seq_len: int):
 def encoder_lm_sequence_first(batch_size: int, seq_len: int):
     tokens = torch.randint(0, 128, (batch_size, seq_len))
     return EncoderLM(batch_first=False), (tokens, torch.roll(tokens, -1, dims=1))
+
+
+class _VisionEncoderBlock(nn.Module):
+    """torchvision's ViT ``EncoderBlock``: ln_1, an nn.MultiheadAttention, ln_2, and its ``MLPBlock``
+    (an nn.Sequential of Linear, GELU, Dropout, Linear, Dropout)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(dim)
+        self.self_attention = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.ln_2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, 4 * dim), nn.GELU(), nn.Dropout(0.0), nn.Linear(4 * dim, dim), nn.Dropout(0.0)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln_1(x)
+        x = x + self.self_attention(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.ln_2(x))
+
+
+class VisionTransformer(nn.Module):
+    """torchvision's ViT layout: a patch convolution, a class token, learned positions, encoder blocks."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, patch: int = 4, image: int = 16, classes: int = 10) -> None:
+        super().__init__()
+        self.conv_proj = nn.Conv2d(3, dim, patch, stride=patch)
+        self.class_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embedding = nn.Parameter(torch.zeros(1, (image // patch) ** 2 + 1, dim))
+        self.layers = nn.Sequential(*(_VisionEncoderBlock(dim, heads) for _ in range(2)))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.conv_proj(images).flatten(2).transpose(1, 2)
+        x = torch.cat([self.class_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embedding
+        return F.cross_entropy(self.head(self.ln(self.layers(x))[:, 0]), labels)
+
+
+def vision_transformer(batch_size: int, seq_len: int):
+    """seq_len is unused: 16x16 images in 4x4 patches."""
+    return VisionTransformer(), (torch.randn(batch_size, 3, 16, 16), torch.randint(0, 10, (batch_size,)))
