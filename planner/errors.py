@@ -3,7 +3,15 @@ that says what to do. The CLI prints it as one line and exits with code 2."""
 
 from __future__ import annotations
 
-__all__ = ["MemplanError", "SpecError", "TraceError", "PlanFileError", "InfeasibleBudget", "SolverTimeout"]
+__all__ = [
+    "MemplanError",
+    "SpecError",
+    "SequenceParallelUnsupported",
+    "TraceError",
+    "PlanFileError",
+    "InfeasibleBudget",
+    "SolverTimeout",
+]
 
 
 class MemplanError(ValueError):
@@ -12,6 +20,10 @@ class MemplanError(ValueError):
 
 class SpecError(MemplanError):
     """A model spec that cannot be resolved or built."""
+
+
+class SequenceParallelUnsupported(SpecError):
+    """A tensor-parallel plan that runs only without sequence parallel (``--no-sp``) on this model."""
 
 
 class TraceError(MemplanError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from costmodels.hardware import get_device
@@ -177,3 +179,17 @@ def test_layout_diagnosis_fits_on_a_large_device() -> None:
 
     d = diagnose_layout_model("llama-7b-tiny", TrainConfig(batch_size=2, seq_len=32, tp=2, gpu="h100-80gb"))
     assert d.verdict == "fits" and not d.remedies and d.headroom_bytes > 0
+
+
+def test_more_tensor_parallel_runs_without_sequence_parallel_where_the_plan_cannot(tmp_path) -> None:
+    """transformers' GPT-2 under FSDP2: the "more tensor parallel" remedy runs its plan with --no-sp
+    (memplan's plan cannot shard GPT-2's sequence) rather than being dropped."""
+    from planner.api import diagnose_layout_model, simulate_layout
+
+    spec = f"hf:{Path(__file__).parent / 'data' / 'tiny_gpt2' / 'config.json'}"
+    base = TrainConfig(batch_size=16, seq_len=64, dp=2, zero_stage=3, loss_parallel=False)
+    no_plan = simulate_layout(spec, base.with_(gpu="h100-80gb")).peak_bytes
+    d = diagnose_layout_model(spec, base.with_(gpu=_tiny_device(tmp_path, int(no_plan * 0.9))), time_limit_s=5.0)
+    tp = next(r for r in d.remedies if r.name == "more tensor parallel")
+    assert tp.config_changes == {"tp": 2, "sequence_parallel": False} and "(--no-sp)" in tp.description
+    assert tp.peak_bytes < no_plan

@@ -292,3 +292,20 @@ def test_expert_parallel_takes_tensor_parallel_where_it_alone_does_not_fit(tmp_p
     _simulates_to_its_peak(max(both, key=lambda x: x.peak_bytes), spec, tmp_path, capsys, "--gpu", "h100-80gb")
     roomy = search_layouts(spec, config, budget_bytes=2**30, **kw)
     assert {x.ep for x in roomy.layouts} > {1} and not any(x.tp > 1 and x.ep > 1 for x in roomy.layouts)
+
+
+def test_a_plan_that_cannot_run_sequence_parallel_is_searched_without_it(tmp_path, capsys):
+    """transformers' GPT-2 ships no plan, and memplan's cannot shard its sequence (GPT-2 reads its
+    positions from the embedding's output): fit's tensor-parallel layouts run without sequence
+    parallel, and the recipe's check line says --no-sp and gives each layout's peak."""
+    spec = f"hf:{Path(__file__).parent / 'data' / 'tiny_gpt2' / 'config.json'}"
+    config = CONFIG.with_(batch_size=2, tp=2, loss_parallel=False)
+    found = search_layouts(spec, config, max_gpus=4, budget_bytes=2**30, global_batch=8, allow_offload=False)
+    assert found.layouts and all(x.tp == 2 and not x.sequence_parallel for x in found.layouts)
+    x = found.layouts[0]
+    assert "--tp 2 --no-sp" in x.flags()
+    out = tmp_path / "rank.json"
+    argv = ["simulate", "--model", spec, "--seq-len", "64", "--gpu", "h100-80gb", "--no-loss-parallel"]
+    code, _, err = run([*argv, *x.flags().split(), "--json", str(out)], capsys)
+    assert code == 0, err
+    assert json.loads(out.read_text())["peak_bytes"] == x.peak_bytes

@@ -24,7 +24,7 @@ from planner.analysis.diagnose import (
     summary,
 )
 from planner.config import DEFAULT_RESERVE, TrainConfig
-from planner.errors import InfeasibleBudget, MemplanError
+from planner.errors import InfeasibleBudget, MemplanError, SequenceParallelUnsupported
 from planner.simulation.pipeline import PipelineTimeline
 from planner.simulation.ranks import LayoutTimeline
 
@@ -140,7 +140,7 @@ def _remedies(
     out: list[Remedy] = []
     for change in _candidates(config, verdict):
         try:
-            result = simulate_layout(change.config)
+            change, result = _simulated(change, simulate_layout)
         except MemplanError:  # the model cannot take that layout (heads or blocks do not divide)
             continue
         overhead = _step_s(result) / base_s - 1.0 if base_s > 0 else 0.0
@@ -154,6 +154,17 @@ def _remedies(
         out.append(planned)
     out.sort(key=lambda r: (not r.fits, r.overhead, r.peak_bytes))
     return out
+
+
+def _simulated(change: _Change, simulate_layout: LayoutSimulator) -> tuple[_Change, LayoutTimeline | PipelineTimeline]:
+    """The change and its simulation; where its tensor-parallel plan cannot run sequence parallel,
+    the change without it (its description says --no-sp)."""
+    try:
+        return change, simulate_layout(change.config)
+    except SequenceParallelUnsupported:
+        config = change.config.with_(sequence_parallel=False)
+        change = replace(change, description=f"{change.description} (--no-sp)", config=config)
+        return change, simulate_layout(config)
 
 
 def _plan_remedy(config: TrainConfig, peak_bytes: int, capacity: int, plan_layout: LayoutPlanner) -> Remedy | None:

@@ -26,13 +26,14 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
 from costmodels.hardware import DeviceSpec, get_device
 from costmodels.memory import get_precision
 from costmodels.runtime import peak_flops_per_s
 from planner.analysis.configurations import HOST_MEMORY_BYTES_PER_GPU
 from planner.config import TrainConfig
-from planner.errors import InfeasibleBudget, MemplanError, SolverTimeout, TraceError
+from planner.errors import InfeasibleBudget, MemplanError, SequenceParallelUnsupported, SolverTimeout, TraceError
 from planner.simulation.costs import model_states_for
 from planner.simulation.layout import trace_roles
 from planner.simulation.pipeline import simulate_pipeline
@@ -91,6 +92,7 @@ class Layout:
     mfu: float
     cp: int = 1
     ep: int = 1
+    sequence_parallel: bool = True  # under tp > 1 (off where the model's plan cannot run it)
 
     @property
     def headroom_bytes(self) -> int:
@@ -110,7 +112,7 @@ class Layout:
         """memplan's flags for this layout (simulate, plan and verify take them)."""
         out = [f"--batch-size {self.micro_batch_size * (self.microbatches if self.pp > 1 else 1)}"]
         if self.tp > 1:
-            out.append(f"--tp {self.tp}")
+            out.append(f"--tp {self.tp}" + ("" if self.sequence_parallel else " --no-sp"))
         if self.cp > 1:
             out.append(f"--cp {self.cp}")
         if self.pp > 1:
@@ -179,6 +181,9 @@ def default_global_batch(config: TrainConfig) -> int:
     return config.batch_size * (1 << (micro.bit_length() - 1))
 
 
+_Traced = TypeVar("_Traced")
+
+
 def _powers_of_two(limit: int) -> list[int]:
     return [1 << k for k in range(limit.bit_length()) if 1 << k <= limit]
 
@@ -190,6 +195,7 @@ class _Search:
         self.spec, self.base, self.budget, self.device, self.global_batch = spec, config, budget, device, global_batch
         self.graphs: dict[tuple[int, int, int], OpGraph] = {}  # (tp, ep, cp) -> the traced (worst) rank's graph
         self.skipped: dict[int, str] = {}
+        self.without_sp: set[int] = set()  # tp degrees whose plan runs without sequence parallel
         self.skipped_roles: dict[tuple[int, int, int], str] = {}  # (tp, ep, cp) -> why it cannot be traced
         dtype = get_precision(config.precision).autocast_dtype or get_precision(config.precision).param_dtype
         self.peak_flops = peak_flops_per_s(dtype, device)
@@ -211,9 +217,12 @@ class _Search:
     def graph(self, tp: int) -> OpGraph | None:
         if (tp, 1, 1) in self.graphs or tp in self.skipped:
             return self.graphs.get((tp, 1, 1))
-        traced = self.base.with_(tp=tp, dp=1, zero_stage=3)
         try:
-            graph = trace_tp_rank(self.spec, traced, rank=0)[0] if tp > 1 else trace_for(self.spec, traced)
+            traced = self.base.with_(tp=tp, dp=1, zero_stage=3)
+            if tp == 1:
+                graph = trace_for(self.spec, traced)
+            else:
+                graph = self._with_or_without_sp(traced, lambda c: trace_tp_rank(self.spec, c, rank=0)[0])
         except (TraceError, MemplanError, ValueError, RuntimeError) as exc:
             self.skipped[tp] = " ".join(str(exc).split())[:200]
             return None
@@ -221,6 +230,18 @@ class _Search:
         if tp == 1:
             self.flops_per_sequence = sum(op.flops for op in graph.ops) / self.base.batch_size
         return graph
+
+    def _with_or_without_sp(self, traced: TrainConfig, trace_layout: Callable[[TrainConfig], _Traced]) -> _Traced:
+        """`trace_layout` of `traced`, or, where sequence parallel is asked for and the model's plan
+        cannot run it (a transformers model that ships no plan, a model without a recognised token
+        embedding), of `traced` without it, as --no-sp would run (remembered per tp degree)."""
+        if traced.tp in self.without_sp:
+            return trace_layout(traced.with_(sequence_parallel=False))
+        try:
+            return trace_layout(traced)
+        except SequenceParallelUnsupported:
+            self.without_sp.add(traced.tp)
+            return trace_layout(traced.with_(sequence_parallel=False))
 
     def expert_graph(self, ep: int, tp: int = 1, cp: int = 1) -> OpGraph | None:
         """The busiest expert-parallel role's graph at degrees (tp, ep, cp), expert parallel borrowing
@@ -239,7 +260,7 @@ class _Search:
         if key in self.graphs or key in self.skipped_roles:
             return self.graphs.get(key)
         try:
-            _, graphs = trace_roles(self.spec, traced)
+            _, graphs = self._with_or_without_sp(traced, lambda c: trace_roles(self.spec, c))
         except (TraceError, MemplanError, ValueError, RuntimeError) as exc:
             self.skipped_roles[key] = " ".join(str(exc).split())[:200]
             return None
@@ -273,6 +294,7 @@ class _Search:
     ) -> TrainConfig:
         c = self.base.with_(
             tp=tp,
+            sequence_parallel=self.base.sequence_parallel and tp not in self.without_sp,
             dp=dp,
             ep=ep,
             cp=cp,
@@ -382,6 +404,7 @@ class _Search:
             mfu=flops / (step.step_s * gpus * self.peak_flops) if step.step_s > 0 else 0.0,
             ep=ep,
             cp=cp,
+            sequence_parallel=self.base.sequence_parallel and tp not in self.without_sp,
         )
 
 
@@ -773,6 +796,8 @@ def _check_line(layout: Layout, spec: str, config: TrainConfig) -> str:
     job = (
         f"--model {spec} --seq-len {layout.seq_len} --precision {config.precision} --gpu {config.gpu} {layout.flags()}"
     )
+    if layout.tp > 1 and not config.loss_parallel:
+        job += " --no-loss-parallel"
     if layout.recompute != "plan":
         return f"memplan simulate {job}"
     plan = f"memplan plan {job} --budget {layout.budget_bytes}B --out layout_plan.json"
@@ -795,6 +820,10 @@ def launch_recipe(layout: Layout, spec: str, gpus_per_node: int, config: TrainCo
             f'pipeline_parallel_schedule = "{_TORCHTITAN_SCHEDULES[layout.schedule]}"',
             f"pipeline_parallel_microbatch_size = {layout.micro_batch_size}",
         ]
+    if layout.tp > 1 and not config.loss_parallel:
+        toml.append("disable_loss_parallel = true")
+    if layout.tp > 1 and not layout.sequence_parallel:
+        toml.append("# the model's tensor-parallel plan runs without sequence parallel (memplan: --no-sp)")
     toml += [
         f"context_parallel_degree = {layout.cp}",
         f"expert_parallel_degree = {layout.ep}",

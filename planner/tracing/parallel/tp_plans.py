@@ -45,7 +45,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from planner.config import TrainConfig
-from planner.errors import SpecError
+from planner.errors import SequenceParallelUnsupported, SpecError
 from planner.tracing.parallel.ep_plans import expert_hidden_dims, is_grouped_experts
 from planner.tracing.parallel.expert_parallel import GroupedExpertsTensorParallel
 from planner.tracing.parallel.multihead_attention import MultiheadAttentionParallel, check_multihead_attention
@@ -403,7 +403,7 @@ def _memplan_plan(
     tp = tp_mesh.size()
     blocks = decoder_blocks(model)
     if sequence_parallel and type(model).__module__.startswith("transformers."):
-        raise SpecError(
+        raise SequenceParallelUnsupported(
             f"sequence parallel shards the embedding's output over the sequence, and transformers' "
             f"{type(model).__name__} reads the sequence length (its positions and mask) from it; pass --no-sp, or "
             "--tp-plan PATH.py:FUNC with your own plan"
@@ -417,7 +417,7 @@ def _memplan_plan(
             getattr(getattr(attention, "config", None), "alibi", False)
             and _class_entry(_HEAD_BIASES, attention) is None
         ):
-            raise SpecError(
+            raise SequenceParallelUnsupported(
                 f"{b.path}.{b.attention} adds per-head ALiBi biases through its attention mask, which --tp-plan auto "
                 "does not cut to each rank's heads; pass --tp-plan PATH.py:FUNC with your own plan"
             )
@@ -468,12 +468,12 @@ def _memplan_plan(
                 plan[b.experts] = GroupedExpertsTensorParallel(hidden)
         if sequence_parallel:
             if b.multihead_attention:
-                raise SpecError(
+                raise SequenceParallelUnsupported(
                     f"{b.path}.{b.attention} is an nn.MultiheadAttention, which memplan's plan shards without sequence "
                     "parallel only; pass --no-sp, or --tp-plan PATH.py:FUNC with your own plan"
                 )
             if b.norms is None or not b.mlp:
-                raise SpecError(
+                raise SequenceParallelUnsupported(
                     f"sequence parallel runs a block's norms on sequence shards, and memplan does not recognise the "
                     f"norms and MLP of {b.path}; pass --no-sp, or --tp-plan PATH.py:FUNC with your own plan"
                 )
@@ -544,7 +544,7 @@ def _keep_tied_whole(top: dict[str, ParallelStyle], groups: list[list[str]], seq
         modules = {path.rpartition(".")[0] for path in paths}
         if modules & top.keys() and not modules <= top.keys():
             if sequence_parallel:
-                raise SpecError(
+                raise SequenceParallelUnsupported(
                     f"the parameter {paths[0]} is tied to {', '.join(paths[1:])}, which --tp-plan auto does not shard "
                     "alike, so it stays whole, and sequence parallel needs the embedding sharded; pass --no-sp, or "
                     "--tp-plan PATH.py:FUNC with your own plan"
