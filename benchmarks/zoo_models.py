@@ -228,6 +228,24 @@ def torch_transformer(batch_size: int, seq_len: int):
     return TorchSeq2Seq(), inputs | {"labels": _tokens(batch_size, seq_len)}
 
 
+class LstmLM(nn.Module):
+    """A two-layer LSTM language model (oneDNN's LSTM on CPU keeps a workspace for its backward)."""
+
+    def __init__(self, width: int = 64, hidden: int = 96) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, width)
+        self.lstm = nn.LSTM(width, hidden, num_layers=2, batch_first=True)
+        self.lm_head = nn.Linear(hidden, VOCAB)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.embed_tokens(tokens))
+        return nn.functional.cross_entropy(self.lm_head(out).flatten(0, 1), labels.flatten())
+
+
+def lstm(batch_size: int, seq_len: int):
+    return LstmLM(), (_tokens(batch_size, seq_len), _tokens(batch_size, seq_len))
+
+
 # The robustness sweep (benchmarks/results/2026-12-02-zoo-sweep.md): more architectures from tiny
 # configs; benchmarks/zoo.py's ZOO runs the cheapest representative ones.
 def _decoder(cls_name: str, config_name: str, **kw):

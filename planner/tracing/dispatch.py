@@ -20,39 +20,17 @@ from memplan_compat import TorchDispatchMode, tree_leaves
 from planner.errors import TraceError
 from planner.tracing.dtensor import dtensor_type
 from planner.tracing.graph import OpNode
+from planner.tracing.kernel_storage import kernel_storage_bytes
 from planner.tracing.module_tracker import ModuleTracker
+from planner.tracing.static_size import as_int
 
-__all__ = ["OpRecorder", "as_int", "local_tensor"]
-
-
-def as_int(value: Any, what: str) -> int:
-    try:
-        return int(value)
-    except Exception as exc:  # a data-dependent (unbacked) size cannot become an int
-        raise TraceError(f"{what} has a data-dependent size ({value}); memplan needs static shapes") from exc
+__all__ = ["OpRecorder", "local_tensor"]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: a DTensor's local shard, else the tensor itself."""
     dtensor = dtensor_type()
     return t._local_tensor if dtensor is not None and isinstance(t, dtensor) else t
-
-
-# ATen's mse_loss / smooth_l1_loss / huber_loss compute the unreduced loss and reduce it into the
-# same buffer (Loss.cpp), so the scalar they return keeps the full-size storage alive. Fake
-# tensors get a 4-byte storage; the real kernels do not.
-_REDUCED_INTO_UNREDUCED = ("aten.mse_loss.default", "aten.smooth_l1_loss.default", "aten.huber_loss.default")
-
-
-def _kernel_storage_bytes(func, args, out: torch.Tensor, nbytes: int) -> int:
-    """Storage bytes the real kernel leaves behind for `out` (see _REDUCED_INTO_UNREDUCED)."""
-    if str(func) in _REDUCED_INTO_UNREDUCED and out.dim() == 0:
-        shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
-        numel = 1
-        for d in shape:
-            numel *= as_int(d, "a loss input")
-        return max(nbytes, numel * out.element_size())
-    return nbytes
 
 
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
@@ -173,7 +151,7 @@ class OpRecorder(TorchDispatchMode):
         self._live[key] = tid
         nbytes = 0 if host else as_int(st.nbytes(), "a tensor")
         if func is not None:
-            nbytes = _kernel_storage_bytes(func, args, t, nbytes)
+            nbytes = kernel_storage_bytes(func, args, t, nbytes)
         self.storages[tid] = _Storage(
             tid,
             nbytes,

@@ -33,11 +33,12 @@ from planner.tracing.blocks import (
     segment_children,
 )
 from planner.tracing.depth import BlockRun, FoldError, fold_trace, repeated_run
-from planner.tracing.dispatch import OpRecorder, as_int, local_tensor
+from planner.tracing.dispatch import OpRecorder, local_tensor
 from planner.tracing.fake_build import fake_model
 from planner.tracing.fingerprint import model_fingerprint
 from planner.tracing.graph import OpGraph, OpNode, Region, TensorInfo
 from planner.tracing.specs import ModelSpec, resolve_spec
+from planner.tracing.static_size import as_int
 
 __all__ = [
     "FULL_TRACE_ENV",
