@@ -574,9 +574,15 @@ def test_memplan_plan_recognises_torch_transformer_layers():
 def test_memplan_plan_on_torch_transformer_layers_matches_gloo_ranks():
     """torch's layers under memplan's plan (--no-sp) on 2 gloo ranks: every rank's peak to the byte,
     gradients equal to one process (in_proj rows in the plan's rank-major order)."""
+    _assert_matches_gloo_ranks_without_sp(TORCH_LAYERS)
+
+
+def _assert_matches_gloo_ranks_without_sp(cases: dict[str, str]) -> None:
+    """Each spec of `cases` under memplan's plan at --tp 2 --no-sp on 2 gloo ranks: every rank's peak
+    as simulated, gradients equal to one process."""
     config = _config(tp=2, sequence_parallel=False).with_(seq_len=32)
-    measured = run_on_ranks([(key, spec, config, None) for key, spec in TORCH_LAYERS.items()], config.world_size)
-    for key, spec in TORCH_LAYERS.items():
+    measured = run_on_ranks([(key, spec, config, None) for key, spec in cases.items()], config.world_size)
+    for key, spec in cases.items():
         want = _by_rank(simulate_ranks(spec, config))
         peaks, grad_error = measured[key]
         assert all(abs(w - got) <= TOLERANCE * got for w, got in zip(want, peaks)), (key, want, peaks)
@@ -588,14 +594,7 @@ def test_memplan_plan_on_torch_transformer_layers_matches_gloo_ranks():
 def test_memplan_plan_on_other_transformers_layouts_matches_gloo_ranks():
     """Every model of OTHER_LAYOUTS under memplan's plan (--no-sp) on 2 gloo ranks: every rank's peak
     to the byte, gradients equal to one process (a tied head's and a fused projection's too)."""
-    config = _config(tp=2, sequence_parallel=False).with_(seq_len=32)
-    cases = {name: _other_layout(name) for name in OTHER_LAYOUTS}
-    measured = run_on_ranks([(key, spec, config, None) for key, spec in cases.items()], config.world_size)
-    for key, spec in cases.items():
-        want = _by_rank(simulate_ranks(spec, config))
-        peaks, grad_error = measured[key]
-        assert all(abs(w - got) <= TOLERANCE * got for w, got in zip(want, peaks)), (key, want, peaks)
-        assert grad_error == 0.0, key
+    _assert_matches_gloo_ranks_without_sp({name: _other_layout(name) for name in OTHER_LAYOUTS})
 
 
 def test_a_bias_added_to_sharded_logits_says_no_loss_parallel(capsys, tmp_path):
