@@ -2,11 +2,14 @@
 
 - ``auto``: the model's own plan where it ships one (a transformers model whose config carries
   ``base_model_tp_plan``: transformers' own ``apply_tensor_parallelism`` applies it), else
-  memplan's for the blocks it recognises (separate q/k/v or a fused ``[q | k | v]`` projection and
-  an output projection, a gated or plain MLP, as ``nn.Linear`` or GPT-2's ``Conv1D``: memplan's
-  Llama and GPT-2, torchtitan, Hugging Face Llama, GPT-2, OPT, GPT-Neo, BERT, ViT), laid out as
-  torchtitan does: embeddings rowwise with sequence-sharded output, norms ``SequenceParallel``,
-  q/k/v and w1/w3 colwise (a fused q/k/v per head, planner/tracing/parallel/projection_styles.py),
+  memplan's for the blocks it recognises (separate q/k/v or a fused projection in an attention
+  whose layout it knows, or torch's ``nn.MultiheadAttention``, and an output projection, a gated or
+  plain MLP, as ``nn.Linear`` or GPT-2's ``Conv1D``: memplan's Llama and GPT-2, torchtitan,
+  Hugging Face Llama, GPT-2, OPT, GPT-Neo, BERT, ViT, XGLM, Bloom, Falcon, GPT-BigCode, MPT,
+  Persimmon, torch's ``nn.Transformer`` layers), laid out as torchtitan does: embeddings rowwise
+  with sequence-sharded output, norms ``SequenceParallel``, q/k/v and w1/w3 colwise (a fused q/k/v
+  per head, planner/tracing/parallel/projection_styles.py; per-head ALiBi biases cut to the
+  rank's heads; a norm over each head's features replicated, its gradients summed),
   o and w2 rowwise with sequence-sharded output, head colwise, learned positions replicated and
   cut to the rank's share of the sequence, a head tied to the embedding tied again to its shard; a
   torchtitan-style mixture-of-experts layer gathers its input whole, keeps its router replicated,
