@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -322,6 +322,8 @@ class LayoutVerifyResult:
     errors: list[float]  # (predicted - measured) / measured per rank
     config: dict
     plan: str | None
+    # parameters the tensor-parallel ranks should hold alike and do not after the measured steps
+    diverged_parameters: list[str] = field(default_factory=list)
 
     @property
     def worst_error(self) -> float:
@@ -357,9 +359,13 @@ def verify_layout(
     predicted = [by_rank[r] for r in range(config.world_size)]
     from planner.runtime.parallel_verify import measure_on_gloo_ranks  # torch.distributed's stack
 
-    measured = measure_on_gloo_ranks(spec, config, loaded.to_dict() if loaded is not None else None, timeout_s)
+    measured, diverged = measure_on_gloo_ranks(
+        spec, config, loaded.to_dict() if loaded is not None else None, timeout_s
+    )
     errors = [(p - m) / m for p, m in zip(predicted, measured)]
-    return LayoutVerifyResult(spec, predicted, measured, errors, config.to_dict(), str(plan) if plan else None)
+    return LayoutVerifyResult(
+        spec, predicted, measured, errors, config.to_dict(), str(plan) if plan else None, diverged
+    )
 
 
 def _verify_pipeline(spec: str, config: TrainConfig, plan: str | None, timeout_s: float) -> LayoutVerifyResult:

@@ -615,3 +615,38 @@ def test_a_bias_added_to_sharded_logits_says_no_loss_parallel(capsys, tmp_path):
     assert code == 0, err
     code, _, err = run([*argv, "--model", f"hf:{tied_config}"], capsys)
     assert code == 0, err
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_verify_names_replicated_parameters_a_plan_leaves_unsummed(capsys):
+    """A plan that shards the linears around a learnable scalar leaves the scalar's gradient partial on
+    each rank: verify measures the step and names the parameter whose replicas get different
+    gradients; the same plan without the scalar leaves every replica's gradient alike."""
+    from planner.api import verify_layout
+
+    plan = f"{HERE / 'tp_models.py'}:mlp_plan"
+    config = _config(tp=2, sequence_parallel=False, tp_plan=plan).with_(seq_len=16)
+    scaled = verify_layout(f"{HERE / 'tp_models.py'}:scaled_mlp", config)
+    assert scaled.diverged_parameters == ["scale"]
+    assert verify_layout(f"{HERE / 'tp_models.py'}:plain_mlp", config).diverged_parameters == []
+    code, out, err = run(
+        [
+            "verify",
+            "--model",
+            f"{HERE / 'tp_models.py'}:scaled_mlp",
+            "--tp",
+            "2",
+            "--no-sp",
+            "--tp-plan",
+            plan,
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "2",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    assert "warning: 1 replicated parameters get different gradients on the tensor-parallel ranks" in out
+    assert out.rstrip().endswith(": scale")

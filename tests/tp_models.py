@@ -164,3 +164,32 @@ class VisionTransformer(nn.Module):
 def vision_transformer(batch_size: int, seq_len: int):
     """seq_len is unused: 16x16 images in 4x4 patches."""
     return VisionTransformer(), (torch.randn(batch_size, 3, 16, 16), torch.randint(0, 10, (batch_size,)))
+
+
+class ScaledMLP(nn.Module):
+    """Two linear layers with a learnable scalar between them (as xIELU's alphas): a tensor-parallel
+    plan that shards the linears and leaves the scalar replicated gives each rank a partial gradient."""
+
+    def __init__(self, learnable_scale: bool, dim: int = 32) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.scale = nn.Parameter(torch.ones(())) if learnable_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.up(x))
+        return self.down(h * self.scale if self.scale is not None else h).pow(2).mean()
+
+
+def scaled_mlp(batch_size: int, seq_len: int):
+    return ScaledMLP(learnable_scale=True), (torch.randn(batch_size, seq_len, 32),)
+
+
+def plain_mlp(batch_size: int, seq_len: int):
+    return ScaledMLP(learnable_scale=False), (torch.randn(batch_size, seq_len, 32),)
+
+
+def mlp_plan(model: nn.Module, tp_mesh) -> None:
+    """The linears column- then row-parallel; nothing else (a user's plan)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    parallelize_module(model, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})

@@ -56,4 +56,11 @@ def _run_layout(args) -> None:
         for rank, (p, m, e) in enumerate(zip(r.predicted_bytes, r.measured_bytes, r.errors))
     ]
     print(report.table(["seq_len", "rank", "predicted", "measured", "error"], rows))
+    diverged = sorted({name for r in results for name in r.diverged_parameters})
+    if diverged:
+        shown = ", ".join(diverged[:5]) + (f" and {len(diverged) - 5} more" if len(diverged) > 5 else "")
+        print(
+            f"warning: {len(diverged)} replicated parameters get different gradients on the tensor-parallel ranks "
+            f"(the plan does not sum them over the ranks), so training with it would drift the replicas apart: {shown}"
+        )
     write_json(args.json_path, {"results": [r.to_dict() for r in results]})

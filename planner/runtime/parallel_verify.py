@@ -45,12 +45,14 @@ from planner.tracing.hf import disable_kv_cache
 from planner.tracing.parallel.context_parallel import context_parallel_step
 from planner.tracing.parallel.ep_plans import expert_paths, expert_tp_replicas, resolve_ep_plan
 from planner.tracing.parallel.rank_trace import ep_mesh
-from planner.tracing.parallel.tp_plans import tp_plan_for
+from planner.tracing.parallel.tp_plans import step_context, tp_plan_for
+from planner.tracing.recorder import loss_of, run_step_inputs
 from planner.tracing.specs import resolve_spec
 
 __all__ = [
     "LocalBytesTracker",
     "build_parallel_model",
+    "diverged_tp_replicas",
     "measure_on_gloo_ranks",
     "measure_parallel_step",
     "run_on_gloo_ranks",
@@ -147,12 +149,47 @@ def _context_parallel(config: TrainConfig, inputs):
 
 
 def _measure_worker(rank: int, world_size: int, payload: tuple, queue) -> None:
-    """One gloo rank of :func:`measure_on_gloo_ranks`: build, shard, measure, report."""
+    """One gloo rank of :func:`measure_on_gloo_ranks`: build, shard, measure, check the replicas, report."""
     spec, config, plan = payload
     plan = load_plan(plan) if plan is not None else None
     model, inputs = build_parallel_model(spec, config, plan)
     with _context_parallel(config, inputs):
-        queue.put((rank, measure_parallel_step(model, inputs, config).peak_bytes))
+        peak = measure_parallel_step(model, inputs, config).peak_bytes
+        diverged = diverged_tp_replicas(model, inputs, config) if config.tp > 1 and config.ep == 1 else []
+    queue.put((rank, peak, diverged))
+
+
+def _replicated_over_tp(param: torch.Tensor) -> bool:
+    """Whether every tensor-parallel rank holds the same values of `param` (a plain tensor, or a
+    DTensor replicated over the "tp" mesh dimension or without one)."""
+    if not isinstance(param, DTensor):
+        return True
+    names = param.device_mesh.mesh_dim_names or ()
+    return "tp" not in names or param.placements[names.index("tp")].is_replicate()
+
+
+def diverged_tp_replicas(model: nn.Module, inputs, config: TrainConfig) -> list[str]:
+    """The parameters every tensor-parallel rank holds alike whose gradients differ across the ranks
+    after one more forward and backward: the plan does not sum them over the ranks (it leaves a
+    parameter inside a sharded region replicated: a learnable activation, a norm over the rank's
+    heads), so training would drift the replicas apart. The gradients are cleared again."""
+    group = _mesh(config)["tp"].get_group()
+    with step_context(config):
+        loss_of(run_step_inputs(model, inputs)).backward()
+    diverged = []
+    for name, param in model.named_parameters():
+        if param.grad is None or not _replicated_over_tp(param):
+            continue
+        grad = param.grad
+        if isinstance(grad, DTensor):  # a partial sum, where DTensor defers the reduction, reduced
+            grad = grad.redistribute(placements=param.placements).to_local()
+        highest, lowest = grad.detach().float().clone(), grad.detach().float().clone()
+        dist.all_reduce(highest, dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(lowest, dist.ReduceOp.MIN, group=group)
+        if not torch.equal(highest, lowest):
+            diverged.append(name)
+    model.zero_grad(set_to_none=True)
+    return diverged
 
 
 _FAILED = "rank failed"  # the first item of what a rank puts on the queue when it raised
@@ -250,8 +287,10 @@ def run_on_gloo_ranks(worker, world_size: int, payload, timeout_s: float = 600.0
 
 def measure_on_gloo_ranks(
     spec: str, config: TrainConfig, plan: dict | None = None, timeout_s: float = 600.0
-) -> list[int]:
-    """Peak live bytes of every global rank over a steady-state step, each rank a CPU process under gloo."""
+) -> tuple[list[int], list[str]]:
+    """(peak live bytes of every global rank over a steady-state step, the parameters that diverged
+    over the tensor-parallel ranks: :func:`diverged_tp_replicas`), each rank a CPU process under gloo."""
     items = run_on_gloo_ranks(_measure_worker, config.world_size, (spec, config, plan), timeout_s)
-    peaks = dict(items)
-    return [peaks[r] for r in range(config.world_size)]
+    peaks = {rank: peak for rank, peak, _ in items}
+    diverged = sorted({name for _, _, names in items for name in names})
+    return [peaks[r] for r in range(config.world_size)], diverged
