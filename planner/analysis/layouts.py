@@ -231,6 +231,10 @@ class _Search:
             self.flops_per_sequence = sum(op.flops for op in graph.ops) / self.base.batch_size
         return graph
 
+    def sequence_parallel(self, tp: int) -> bool:
+        """Whether layouts at `tp` run sequence parallel: as asked, unless the model's plan cannot."""
+        return self.base.sequence_parallel and tp not in self.without_sp
+
     def _with_or_without_sp(self, traced: TrainConfig, trace_layout: Callable[[TrainConfig], _Traced]) -> _Traced:
         """`trace_layout` of `traced`, or, where sequence parallel is asked for and the model's plan
         cannot run it (a transformers model that ships no plan, a model without a recognised token
@@ -294,7 +298,7 @@ class _Search:
     ) -> TrainConfig:
         c = self.base.with_(
             tp=tp,
-            sequence_parallel=self.base.sequence_parallel and tp not in self.without_sp,
+            sequence_parallel=self.sequence_parallel(tp),
             dp=dp,
             ep=ep,
             cp=cp,
@@ -404,7 +408,7 @@ class _Search:
             mfu=flops / (step.step_s * gpus * self.peak_flops) if step.step_s > 0 else 0.0,
             ep=ep,
             cp=cp,
-            sequence_parallel=self.base.sequence_parallel and tp not in self.without_sp,
+            sequence_parallel=self.sequence_parallel(tp),
         )
 
 

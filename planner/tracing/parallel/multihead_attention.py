@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from planner.errors import SpecError
-from planner.tracing.parallel.projection_styles import rank_major_order
+from planner.tracing.parallel.projection_styles import ColwiseProjection, rank_heads
 
 __all__ = ["MultiheadAttentionParallel", "check_multihead_attention"]
 
@@ -42,20 +42,10 @@ class MultiheadAttentionParallel(ParallelStyle):
     """``nn.MultiheadAttention`` computing the rank's heads (see the module docstring)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        tp = device_mesh.size()
-        for name in ("in_proj_weight", "in_proj_bias"):
-            param = getattr(module, name)
-            if param is not None:
-                order = rank_major_order(param.shape[0], 3, tp).to(param.device)
-                sharded = distribute_tensor(param.detach().index_select(0, order), device_mesh, [Shard(0)])
-                module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        out = module.out_proj
-        for name, placement in (("weight", Shard(1)), ("bias", Replicate())):
-            param = getattr(out, name)
-            if param is not None:
-                sharded = distribute_tensor(param.detach(), device_mesh, [placement])
-                out.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        module.forward = partial(_forward, module, device_mesh, module.num_heads // tp)
+        # its own parameters are in_proj_weight / in_proj_bias: a fused [q | k | v] projection's
+        ColwiseProjection(sections=3)._partition_projection_fn("", module, device_mesh)
+        RowwiseParallel()._partition_linear_fn("out_proj", module.out_proj, device_mesh)
+        module.forward = partial(_forward, module, device_mesh, module.num_heads // device_mesh.size())
         return module
 
 
@@ -131,10 +121,9 @@ def _rank_mask(
     masks = []
     if attn_mask is not None:
         mask = _additive(attn_mask, dtype)
-        if mask.dim() == 3:
-            local = heads // device_mesh.size()
-            start = device_mesh.get_local_rank() * local
-            mask = mask.view(batch, heads, target, source)[:, start : start + local]
+        if mask.dim() == 3:  # (batch x heads, target, source)
+            rank = device_mesh.get_local_rank()
+            mask = rank_heads(mask, heads, device_mesh.size(), rank, batch_folded=True).view(batch, -1, target, source)
         masks.append(mask)
     if key_padding_mask is not None:
         masks.append(_additive(key_padding_mask, dtype).view(batch, 1, 1, source))

@@ -31,6 +31,7 @@ __all__ = [
     "is_projection",
     "output_dim",
     "output_features",
+    "rank_heads",
     "rank_major_order",
 ]
 
@@ -59,6 +60,15 @@ def output_features(module: nn.Module) -> int:
 def input_features(module: nn.Module) -> int:
     """A projection's input width."""
     return module.weight.shape[1 - output_dim(module)]
+
+
+def rank_heads(values: torch.Tensor, heads: int, tp: int, rank: int, batch_folded: bool) -> torch.Tensor:
+    """The rows of a per-head tensor (heads first, or batch x heads folded into dim 0: an ALiBi bias,
+    a 3-D attention mask) that belong to the rank's heads."""
+    local = heads // tp
+    if batch_folded:
+        return values.unflatten(0, (-1, heads))[:, rank * local : (rank + 1) * local].flatten(0, 1)
+    return values[rank * local : (rank + 1) * local]
 
 
 def rank_major_order(features: int, sections: int, world_size: int) -> torch.Tensor:

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -59,6 +58,7 @@ from planner.tracing.parallel.projection_styles import (
     input_features,
     is_projection,
     output_features,
+    rank_heads,
 )
 from planner.tracing.parallel.user_plans import user_plan
 
@@ -501,7 +501,7 @@ def _localise(attention: nn.Module, tp_mesh: DeviceMesh, query_width: int) -> No
     tp = tp_mesh.size()
     if (bias := _class_entry(_HEAD_BIASES, attention)) is not None:
         heads = next(getattr(attention, a) for a in _HEAD_COUNTS if isinstance(getattr(attention, a, None), int))
-        cut = partial(_rank_heads, heads=heads, tp=tp, rank=tp_mesh.get_local_rank(), batch_folded=bias[1])
+        cut = partial(rank_heads, heads=heads, tp=tp, rank=tp_mesh.get_local_rank(), batch_folded=bias[1])
         attention.register_forward_pre_hook(partial(_cut_argument, bias[0], cut), with_kwargs=True)
     for attr in _HEAD_COUNTS:
         if isinstance(getattr(attention, attr, None), int):
@@ -509,14 +509,6 @@ def _localise(attention: nn.Module, tp_mesh: DeviceMesh, query_width: int) -> No
     for attr in _QUERY_WIDTHS:
         if getattr(attention, attr, None) == query_width:
             setattr(attention, attr, query_width // tp)
-
-
-def _rank_heads(bias: torch.Tensor, heads: int, tp: int, rank: int, batch_folded: bool) -> torch.Tensor:
-    """The rows of a per-head bias (heads first, or batch x heads folded into dim 0) of the rank's heads."""
-    local = heads // tp
-    if batch_folded:
-        return bias.unflatten(0, (-1, heads))[:, rank * local : (rank + 1) * local].flatten(0, 1)
-    return bias[rank * local : (rank + 1) * local]
 
 
 def _cut_argument(name: str, cut: Callable, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
