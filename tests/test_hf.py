@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 from planner.api import plan_model, verify_model  # noqa: E402
 from planner.config import TrainConfig  # noqa: E402
 from planner.errors import SpecError  # noqa: E402
+from planner.tracing.hf import hf_builder, skip_init  # noqa: E402
 from planner.tracing.recorder import trace  # noqa: E402
 
 CONFIG = {
@@ -80,9 +81,58 @@ def test_hf_config_builds_its_architecture_with_its_inputs(tmp_path):
     assert abs(result.error) <= 0.01, result
 
 
-def test_hf_config_without_an_architecture_that_is_no_causal_lm_says_what_to_add(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in VIT.items() if k != "architectures"}))
-    with pytest.raises(SpecError, match='"architectures"'):
+T5 = {
+    "model_type": "t5",
+    "vocab_size": 512,
+    "d_model": 32,
+    "d_ff": 64,
+    "d_kv": 8,
+    "num_layers": 2,
+    "num_heads": 4,
+    "decoder_start_token_id": 0,
+}
+M2M100 = {  # LayerDrop on, as in the released configs
+    "model_type": "m2m_100",
+    "vocab_size": 512,
+    "d_model": 32,
+    "encoder_ffn_dim": 64,
+    "decoder_ffn_dim": 64,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "max_position_embeddings": 64,
+    "encoder_layerdrop": 0.05,
+    "decoder_layerdrop": 0.05,
+}
+
+
+@pytest.mark.parametrize(
+    ("config", "model_class"),
+    [
+        ({k: v for k, v in VIT.items() if k != "architectures"}, "ViTForImageClassification"),
+        (T5, "T5ForConditionalGeneration"),
+        ({**T5, "model_type": "mt5"}, "MT5ForConditionalGeneration"),
+        ({**VIT, "architectures": [], "model_type": "bert", "vocab_size": 64}, "BertLMHeadModel"),
+    ],
+)
+def test_hf_config_without_an_architecture_builds_the_model_its_type_trains_as(tmp_path, config, model_class):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with skip_init():
+        model, _ = hf_builder(str(tmp_path / "config.json"))(1, 16)
+    assert type(model).__name__ == model_class
+
+
+def test_hf_seq2seq_config_without_an_architecture_and_with_layerdrop_is_predicted_exactly(tmp_path):
+    # the step is built with every layer (LayerDrop's draw is no value a fake tensor has)
+    (tmp_path / "config.json").write_text(json.dumps(M2M100))
+    result = verify_model(f"hf:{tmp_path / 'config.json'}", TrainConfig(batch_size=2, seq_len=32))
+    assert abs(result.error) <= 0.01, result
+
+
+def test_hf_config_of_a_type_with_no_trainable_head_says_what_to_add(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "encodec"}))
+    with pytest.raises(SpecError, match="'encodec' has no causal.*\"architectures\""):
         verify_model(f"hf:{tmp_path / 'config.json'}", TrainConfig(batch_size=1, seq_len=32))
 
 

@@ -34,24 +34,48 @@ __all__ = [
 ]
 
 
+_LAYERDROP_ATTRIBUTES = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
+def _without_layerdrop(config: object) -> None:
+    """LayerDrop skips each layer with a probability every step (its draw is no value a fake
+    tensor has): the step is built with every layer, the one with the most memory."""
+    for name in _LAYERDROP_ATTRIBUTES:
+        if getattr(config, name, 0.0):
+            setattr(config, name, 0.0)
+
+
+def _task_model(config: object, config_path: str) -> nn.Module:
+    """The model a config without a known architecture trains as: a seq2seq LM for an
+    encoder-decoder, else the first of a causal LM, a masked LM, an image classifier."""
+    import transformers
+
+    auto_classes = [transformers.AutoModelForSeq2SeqLM] if getattr(config, "is_encoder_decoder", False) else []
+    auto_classes += [
+        transformers.AutoModelForCausalLM,
+        transformers.AutoModelForMaskedLM,
+        transformers.AutoModelForImageClassification,
+    ]
+    for auto_class in auto_classes:
+        if type(config) in auto_class._model_mapping:
+            return auto_class.from_config(config)
+    raise SpecError(
+        f"Hugging Face config {config_path} names no architecture memplan can build, and its model type "
+        f"{getattr(config, 'model_type', '?')!r} has no causal, seq2seq or masked LM nor image classifier; "
+        'add the model class to it, e.g. "architectures": ["T5ForConditionalGeneration"]'
+    )
+
+
 def _build_hf(config_path: str, batch_size: int, seq_len: int) -> tuple[nn.Module, dict]:
-    """The config's first architecture (a causal LM when it names none) with random inputs:
-    images of side seq_len for vision models, token ids and labels otherwise."""
+    """The config's first architecture (else the model its type trains as: :func:`_task_model`)
+    with random inputs: images of side seq_len for vision models, token ids and labels otherwise."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(config_path)
+    _without_layerdrop(config)
     architecture = (getattr(config, "architectures", None) or [""])[0]
     model_class = getattr(transformers, architecture, None)
-    if model_class is None:
-        try:
-            model = transformers.AutoModelForCausalLM.from_config(config)
-        except ValueError as e:
-            raise SpecError(
-                f"Hugging Face config {config_path} names no architecture memplan can build and is not a "
-                'causal LM; add e.g. "architectures": ["T5ForConditionalGeneration"] to it'
-            ) from e
-    else:
-        model = model_class(config)
+    model = _task_model(config, config_path) if model_class is None else model_class(config)
     _check_learned_positions(model, config_path, seq_len, _max_positions(config))
     if model.main_input_name == "pixel_values":
         channels = getattr(config, "num_channels", 3)
@@ -97,7 +121,7 @@ def hf_max_positions(config_path: str) -> int | None:
 
 
 def hf_builder(config_path: str) -> Callable[[int, int], tuple[nn.Module, dict]]:
-    """build(batch_size, seq_len) for a Hugging Face config (its `architectures`, else a causal LM;
+    """build(batch_size, seq_len) for a Hugging Face config (its `architectures`, else its task model;
     seq_len is the image side of a vision model); SpecError when unusable."""
     try:
         import transformers  # noqa: F401
