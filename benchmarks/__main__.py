@@ -35,6 +35,7 @@ TABLES["hidden_recompute"] = (
     "hidden_recompute"  # plans priced by step time vs recompute time (benchmarks/hidden_recompute.py)
 )
 TABLES["bubble_recompute"] = "bubble_recompute"  # recompute in pipeline waits (benchmarks/bubble_recompute.py)
+TABLES["pipeline_verify"] = "pipeline_verify"  # verify --pp 2 under every schedule (benchmarks/pipeline_verify.py)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -638,6 +638,31 @@ def test_relayed_stages_take_exactly_their_predecessors_outputs_and_compute_the_
         assert len(returned.args[0]) == len(stage.args)
 
 
+@pytest.mark.slow  # 5 s
+def test_traced_stages_make_the_step_constants_they_read():
+    """A value that needs no gradient and is the same in every microbatch (transformers' rotary
+    tables) is made on each stage that reads it, as torchtitan's stages make theirs, not sent:
+    every stage after the first receives one floating value (the hidden state) and at most the
+    labels; the step computes the eager model's loss."""
+    import torch
+
+    from planner.runtime.pipeline_verify import _example_of, _traced_pipe, _training_model
+    from planner.tracing.recorder import loss_of
+
+    config = _config("1f1b", pp=4, microbatches=4, seq_len=64)
+    pipe, inputs, _ = _traced_pipe("tests/pp_ranks.py:hf_llama", config, (1, 1, 1, 1), seed=0)
+    stages = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
+    for stage in stages[1:]:
+        received = [_example_of(pipe.split_gm, a) for a in stage.args]
+        assert sum(r.is_floating_point() for r in received) == 1, (stage, received)
+        assert len(received) <= 2
+    model, _, kwargs, micro = _training_model("tests/pp_ranks.py:hf_llama", config, seed=0)
+    with torch.no_grad():
+        traced = torch.fx.Interpreter(pipe.split_gm).run(*(t[:micro] for t in inputs))[0]
+        eager = loss_of(model(**{k: v[:micro] for k, v in kwargs.items()}))
+    torch.testing.assert_close(traced, eager)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("builder", ["titan_llama", "hf_llama"])

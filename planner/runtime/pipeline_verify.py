@@ -201,6 +201,7 @@ def _traced_pipe(spec: str, config: TrainConfig, blocks_per_stage: tuple[int, ..
         ) from None
     for stage in pipe.split_gm.children():
         _drop_unused(stage)
+    _make_step_constants_where_read(pipe.split_gm, args, kwargs, micro)
     if config.pp_schedule not in SINGLE_STAGE_SCHEDULES:  # torch's multi-stage runtime, whatever the stages per rank
         _relay_skipping_values(pipe.split_gm)
     _contiguous_across_cuts(pipe.split_gm)
@@ -229,6 +230,80 @@ def _drop_unused(stage: nn.Module) -> None:
         for name in [*module._modules, *module._parameters, *module._buffers]:
             if f"{path}.{name}".lstrip(".") not in used:
                 delattr(module, name)
+
+
+def _make_step_constants_where_read(split_gm: torch.fx.GraphModule, args: tuple, kwargs: dict, micro: int) -> None:
+    """Make each step constant on the stages that read it instead of sending it there: a value that
+    crosses a cut, needs no gradient and is the same in every microbatch (a rotary table, a mask
+    built from the sequence length alone), as a torchtitan-style stage (what memplan simulates)
+    makes its own. The reader clones it from a copy it keeps outside its parameters and buffers at
+    the start of each forward; sent, it would sit in a receive buffer per microbatch on every stage
+    it reaches, relayed through each stage between (Gemma2's masks: 8-13% of a rank's peak)."""
+    crossing = {a for n in split_gm.graph.nodes if n.op == "call_module" for a in n.args}
+    crossing = {n for n in crossing if isinstance(n, torch.fx.Node) and n.op != "placeholder"}
+    seen: dict[torch.fx.Node, list] = {n: [] for n in crossing}
+
+    class _Recorder(torch.fx.Interpreter):
+        def run_node(self, node):
+            result = super().run_node(node)
+            if node in seen:
+                seen[node].append(result)
+            return result
+
+    inputs = (*args, *kwargs.values())
+    count = next(v.shape[0] for v in inputs if isinstance(v, torch.Tensor)) // micro
+    with torch.random.fork_rng():
+        for i in range(count):
+            chunk = [v[i * micro : (i + 1) * micro] if isinstance(v, torch.Tensor) else v for v in inputs]
+            with torch.no_grad() if i else nullcontext():  # the first tells which values need gradients
+                _Recorder(split_gm).run(*chunk)
+    constants = [
+        node
+        for node, values in seen.items()
+        if isinstance(values[0], torch.Tensor)
+        and not values[0].requires_grad
+        and all(v.dtype == values[0].dtype and torch.equal(v, values[0]) for v in values[1:])
+    ]
+    for k, node in enumerate(constants):
+        for reader in [u for u in node.users if u.op == "call_module"]:
+            submod = split_gm.get_submodule(reader.target)
+            position = reader.args.index(node)
+            placeholder = [n for n in submod.graph.nodes if n.op == "placeholder"][position]
+            name = f"_step_constant_{k}"
+            submod.__dict__[name] = seen[node][0].detach().clone()  # a plain attribute: no buffer to count
+            with submod.graph.inserting_before(placeholder), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "Attempted to insert a get_attr Node")  # not a buffer, on purpose
+                kept = submod.graph.get_attr(name)
+                made = submod.graph.call_method("clone", (kept,))
+            made.meta["val"] = placeholder.meta.get("val")
+            placeholder.replace_all_uses_with(made)
+            submod.graph.erase_node(placeholder)
+            submod.recompile()
+            reader.args = reader.args[:position] + reader.args[position + 1 :]
+    _drop_unread_outputs(split_gm)
+
+
+def _drop_unread_outputs(split_gm: torch.fx.GraphModule) -> None:
+    """Remove from every stage but the last the outputs no later stage reads any more."""
+    stages = [n for n in split_gm.graph.nodes if n.op == "call_module"]
+    for stage in stages[:-1]:
+        items = {u.args[1]: u for u in stage.users if u.op == "call_function" and u.target is operator.getitem}
+        if len(items) != len(stage.users):
+            continue  # its output is read whole: a single value
+        submod = split_gm.get_submodule(stage.target)
+        returned, results = _returned(submod.graph)
+        kept = [i for i in range(len(results)) if i in items and items[i].users]
+        if len(kept) == len(results):
+            continue
+        for i, item in items.items():
+            if i not in kept:
+                split_gm.graph.erase_node(item)
+        for new, old in enumerate(kept):
+            items[old].args = (stage, new)
+        returned.args = (tuple(results[i] for i in kept),)
+        submod.graph.eliminate_dead_code()
+        submod.recompile()
+    split_gm.recompile()
 
 
 def _relay_skipping_values(split_gm: torch.fx.GraphModule) -> None:
