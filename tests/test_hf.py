@@ -136,6 +136,19 @@ def test_hf_config_of_a_type_with_no_trainable_head_says_what_to_add(tmp_path):
         verify_model(f"hf:{tmp_path / 'config.json'}", TrainConfig(batch_size=1, seq_len=32))
 
 
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [
+        ({"model_type": "wav2vec2", "architectures": ["Wav2Vec2ForCTC"]}, "Wav2Vec2ForCTC .* takes 'input_values'"),
+        ({"model_type": "clip", "architectures": ["CLIPModel"]}, "CLIPModel .* has no vocab_size"),
+    ],
+)
+def test_hf_config_whose_inputs_memplan_cannot_make_says_to_write_a_builder(tmp_path, config, needle):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecError, match=f"{needle}.*--model PATH.py:FUNC"):
+        hf_builder(str(tmp_path / "config.json"))(1, 16)
+
+
 BART = f"hf:{__import__('pathlib').Path(__file__).parent / 'data' / 'bart_tiny' / 'config.json'}"
 
 

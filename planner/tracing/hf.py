@@ -45,8 +45,8 @@ def _without_layerdrop(config: object) -> None:
             setattr(config, name, 0.0)
 
 
-def _task_model(config: object, config_path: str) -> nn.Module:
-    """The model a config without a known architecture trains as: a seq2seq LM for an
+def _task_model_class(config: object, config_path: str) -> type[nn.Module]:
+    """The model class a config without a known architecture trains as: a seq2seq LM for an
     encoder-decoder, else the first of a causal LM, a masked LM, an image classifier."""
     import transformers
 
@@ -58,7 +58,7 @@ def _task_model(config: object, config_path: str) -> nn.Module:
     ]
     for auto_class in auto_classes:
         if type(config) in auto_class._model_mapping:
-            return auto_class.from_config(config)
+            return auto_class._model_mapping[type(config)]
     raise SpecError(
         f"Hugging Face config {config_path} names no architecture memplan can build, and its model type "
         f"{getattr(config, 'model_type', '?')!r} has no causal, seq2seq or masked LM nor image classifier; "
@@ -66,16 +66,30 @@ def _task_model(config: object, config_path: str) -> nn.Module:
     )
 
 
+def _check_inputs(model_class: type[nn.Module], config: object, config_path: str) -> None:
+    """SpecError unless memplan can make the model's inputs: token ids (with a vocabulary) or images."""
+    name = getattr(model_class, "main_input_name", "input_ids")
+    vocab = getattr(config, "vocab_size", None)
+    if name == "pixel_values" or (name == "input_ids" and vocab is not None):
+        return
+    takes = f"takes {name!r}" if name != "input_ids" else "has no vocab_size (a multimodal config)"
+    raise SpecError(
+        f"{model_class.__name__} ({config_path}) {takes}, and hf: specs make token ids or images only; "
+        "give memplan a builder instead: --model PATH.py:FUNC returning (model, inputs)"
+    )
+
+
 def _build_hf(config_path: str, batch_size: int, seq_len: int) -> tuple[nn.Module, dict]:
-    """The config's first architecture (else the model its type trains as: :func:`_task_model`)
+    """The config's first architecture (else the model its type trains as: :func:`_task_model_class`)
     with random inputs: images of side seq_len for vision models, token ids and labels otherwise."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(config_path)
     _without_layerdrop(config)
     architecture = (getattr(config, "architectures", None) or [""])[0]
-    model_class = getattr(transformers, architecture, None)
-    model = _task_model(config, config_path) if model_class is None else model_class(config)
+    model_class = getattr(transformers, architecture, None) or _task_model_class(config, config_path)
+    _check_inputs(model_class, config, config_path)
+    model = model_class(config)
     _check_learned_positions(model, config_path, seq_len, _max_positions(config))
     if model.main_input_name == "pixel_values":
         channels = getattr(config, "num_channels", 3)
