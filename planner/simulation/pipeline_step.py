@@ -15,7 +15,8 @@ where they live, as ``torch.distributed.pipelining`` (stage.py, torch 2.13) keep
 - tensors an earlier stage made and this one reads besides its input (rotary tables, masks) are
   made again by each microbatch's forward, as a stage module does;
 - parameters, buffers and optimizer states of the stage's modules; gradients are allocated by
-  the first microbatch's backward and accumulated into by the others (a transient per op);
+  the first microbatch's backward and accumulated into by the others (a transient each, until
+  AccumulateGrad adds it in);
 - the batch's inputs (ids on the first stage, labels on the last) are the whole batch;
 - FSDP2 (``--zero 3 --dp N``): the buffers of planner.simulation.fsdp at each replayed op;
 - gradient accumulation over pipeline steps (``--grad-accum N``): a later step starts with the
@@ -53,7 +54,7 @@ from planner.simulation.memo import memo
 from planner.simulation.pipeline_fsdp import StageFsdp, StageFsdpState, stage_fsdp, unshard_plan
 from planner.simulation.pipeline_schedule import INPUT_GRADIENT_KINDS, PipelineAction, PipelineSchedule
 from planner.simulation.pipeline_split import StageCut, op_stages, tied_gradients, weight_gradient_ops
-from planner.simulation.step import Timeline
+from planner.simulation.step import Timeline, gradient_accumulated_at
 from planner.tracing.graph import CATEGORIES, CATEGORY_INDEX, OpGraph
 
 __all__ = ["StageMemory", "StageEffect", "stage_effects", "replay_rows", "stage_programs", "replay_rank"]
@@ -423,6 +424,7 @@ def _place(
     stage_of, in_bwd, sizes, readers = ctx.stage_of, ctx.in_bwd, ctx.sizes, ctx.readers
     weight_ops, w_read, retained = ctx.weight_ops, ctx.w_read, ctx.retained
     own_gradients, cross_stage_sums = ctx.own_gradients, ctx.cross_stage_sums
+    accumulated_at = gradient_accumulated_at(graph)
     phase = [op.phase for op in graph.ops]
     regions = sorted(graph.regions, key=lambda r: r.fwd_start)
     rows = replay_rows(effects) if rows is None else rows
@@ -537,9 +539,9 @@ def _place(
         if (t.category == "gradient" and t.free_op is None) or t.id in own_gradients:
             backward_event(sa, a, t.id, z, first_only=True)
             p = progs[sa]
-            for key in ("B", "W"):
+            for key in ("B", "W"):  # a later microbatch's: added into the one held, then freed
                 p[key].add(a, "gradient", z)
-                p[key].add(a, "gradient", -z, after=True)
+                p[key].add(accumulated_at.get(t.id, a), "gradient", -z, after=True)
             continue
         earlier_reads = {int(stage_of[i]) for i in reads if int(stage_of[i]) < sa}
         if freed_here and in_bwd[f]:

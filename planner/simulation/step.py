@@ -45,7 +45,7 @@ from planner.simulation.effects import (
 from planner.simulation.fsdp import fsdp_buffers
 from planner.tracing.graph import CATEGORIES, CATEGORY_INDEX, OpGraph
 
-__all__ = ["Timeline", "simulate", "step_events"]
+__all__ = ["Timeline", "gradient_accumulated_at", "simulate", "step_events"]
 
 
 @dataclass(frozen=True)
@@ -231,9 +231,10 @@ def step_events(
     Storages no choice moves keep their traced lifetimes; the choices' events replace the others'.
     Within a slot events run by stage (frees, reloads, replays, allocations), stable otherwise.
     `accumulating`: a later micro-batch of gradient accumulation, where each new gradient is added
-    into the one already held (AccumulateGrad's in-place `grad += new`) and freed at the next op.
+    into the one already held and freed then (:func:`gradient_accumulated_at`).
     """
     moved = set().union(*(e.moved for e in effects))
+    accumulated_at = gradient_accumulated_at(graph) if accumulating else {}
     slots: list[list[Event]] = [[] for _ in range(len(graph.ops) + 2)]
     last_op = len(graph.ops) - 1
     traced = _traced_events(graph)
@@ -243,15 +244,35 @@ def step_events(
             events = traced[tid] if nbytes == t.nbytes else storage_events(graph, tid, nbytes)
             for ev in events:
                 slots[ev.op + 1].append(ev)
-            if accumulating and t.category == "gradient" and t.free_op is None and t.alloc_op >= 0:
-                slots[min(t.alloc_op + 1, last_op) + 1].append(
-                    Event(min(t.alloc_op + 1, last_op), FREE, tid, -sizes[tid], t.category)
-                )
+            if accumulating and tid in accumulated_at:
+                freed = min(accumulated_at[tid] + 1, last_op)
+                slots[freed + 1].append(Event(freed, FREE, tid, -sizes[tid], t.category))
     for _, events in one_holder_each([e.moved for e in effects], [e.events for e in effects]):
         for ev in events:
             slots[ev.op + 1].append(ev)
     by_stage = attrgetter("stage")
     return [sorted(slot, key=by_stage) if len(slot) > 1 else slot for slot in slots]
+
+
+def gradient_accumulated_at(graph: OpGraph) -> dict[int, int]:
+    """Each parameter gradient the backward makes -> the op after which a later micro-batch's copy
+    of it is added into the one already held (AccumulateGrad's in-place ``grad += new``) and
+    freed: its last reader, AccumulateGrad's own op in the trace, which runs when the autograd
+    node that made it has made its other outputs too (a linear's input gradient, after its
+    weight's); the op that made it when nothing reads it. Kept with the graph."""
+    if "gradient_accumulated_at" not in graph.derived:
+        made = {
+            tid: t.alloc_op
+            for tid, t in graph.tensors.items()
+            if t.category == "gradient" and t.free_op is None and t.alloc_op >= 0
+        }
+        last = dict(made)
+        for op in graph.ops[graph.backward_start :]:
+            for tid in op.inputs:
+                if tid in last:
+                    last[tid] = max(last[tid], op.index)
+        graph.derived["gradient_accumulated_at"] = last
+    return graph.derived["gradient_accumulated_at"]
 
 
 def _traced_events(graph: OpGraph) -> dict[int, tuple[Event, ...]]:
