@@ -365,7 +365,10 @@ def test_simulate_sweep_simulates_the_pipeline(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("builder", ["titan_llama", "hf_llama"])
 def test_pipeline_peaks_match_gloo_ranks(builder):
-    """Every schedule runs on 2 gloo ranks; each pp rank's peak is within 3% (aim 1%) of the measured one."""
+    """Every schedule runs on 2 gloo ranks; each pp rank's peak is within 0.1% of the measured one
+    (the issue asks 3%, aim 1%; measured within 0.03%). A later microbatch's weight gradient held
+    until AccumulateGrad, and a V schedule's hand-over to its own rank replacing the receive buffer
+    when the output is made, were 1% under and 0.5% over."""
     import pp_ranks as P
 
     batch, seq, m = 4, 128, 4
@@ -380,7 +383,7 @@ def test_pipeline_peaks_match_gloo_ranks(builder):
     assert set(measured) == set(PP_SCHEDULES)
     for schedule, peaks in measured.items():
         for pred, meas in zip(predicted[schedule], peaks):
-            assert abs(pred - meas) / meas < 0.03, (schedule, predicted[schedule], peaks)
+            assert abs(pred - meas) / meas < 0.001, (schedule, predicted[schedule], peaks)
 
 
 @pytest.mark.distributed
@@ -670,9 +673,9 @@ def test_tensor_parallel_stages_match_gloo_ranks(builder):
     """--pp 2 --tp 2 on 4 gloo ranks (mesh [pp, tp]: the model sharded with its TP plan, then cut into
     stages as torchtitan does; the torchtitan-style Llama with sequence parallel, transformers' Llama
     with its own plan), and --pp 2 --dp 2 --tp 2 --zero 3 on 8 (FSDP2 over the TP shards of each
-    stage): every rank within 1.5% of the measured peak (measured: the sequence-parallel first stage
-    1% under under 1F1B, every other rank within 0.8%); a plan per stage keeps every rank within its
-    budget and 3% of its prediction."""
+    stage): every rank within 0.5% of the measured peak (measured: GPipe's last rank 0.11% over,
+    every other rank within 0.05%); a plan per stage keeps every rank within its budget and 3% of
+    its prediction."""
     import pp_ranks as P
 
     from planner.api import plan_pipeline_model, simulate_pipeline_model
@@ -696,7 +699,7 @@ def test_tensor_parallel_stages_match_gloo_ranks(builder):
     measured |= P.run_on_ranks([P.case("3d", builder, three_d, [2, 2])], timeout_s=500, world_size=8)
     for key in (*configs, "3d"):
         for pred, meas in zip(predicted[key], measured[key], strict=True):
-            assert abs(pred - meas) / meas < 0.015, (key, predicted[key], measured[key])
+            assert abs(pred - meas) / meas < 0.005, (key, predicted[key], measured[key])
     for pred, meas in zip(predicted["planned"], measured["planned"], strict=True):
         assert abs(pred - meas) / meas < 0.03 and meas <= plan.budget_bytes * 1.03, (predicted["planned"], meas)
     assert max(predicted["planned"]) <= plan.budget_bytes < max(measured["1f1b"])

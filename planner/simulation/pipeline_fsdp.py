@@ -47,6 +47,7 @@ from planner.simulation.fsdp import (
 )
 from planner.simulation.pipeline_schedule import PipelineSchedule
 from planner.simulation.pipeline_split import StageCut
+from planner.simulation.step import gradient_accumulated_at
 from planner.tracing.graph import OpGraph
 
 __all__ = [
@@ -107,6 +108,9 @@ class StageFsdp:
     block_bwd: tuple[tuple[int, int], ...]  # [start, end) of each block's backward
     root_bytes: int
     grad_at: np.ndarray  # (bwd ops,) gradient bytes beyond the counted (sharded) ones, made at each op
+    # (bwd ops,) those of a later microbatch's gradients live at each op: each from the op that makes
+    # it to AccumulateGrad's, which adds it into the one held (planner.simulation.step.gradient_accumulated_at)
+    accumulating_at: np.ndarray
     reduce_input_bytes: tuple[int, ...]  # each block's reduce-scatter input; the root's last
     keep_after_forward: bool
     # per block: prefetched in backward (an all-gather over more than one rank); a unit sharded over
@@ -142,10 +146,15 @@ def stage_fsdp(
     traced_itemsize, reduce_itemsize = fsdp_itemsizes(graph, config)
     accumulate = max(1.0, reduce_itemsize / traced_itemsize)  # FSDP2 accumulates in the reduce dtype
     grad_at = np.zeros(cut.bwd_end - cut.bwd_start, dtype=np.int64)
+    accumulating = np.zeros(cut.bwd_end - cut.bwd_start + 1, dtype=np.int64)  # +bytes where made, -bytes after added
+    added_at = gradient_accumulated_at(graph)
     for t in graph.tensors.values():
         a = t.alloc_op
         if t.category == "gradient" and t.free_op is None and cut.bwd_start <= a < cut.bwd_end and t.id not in sums:
-            grad_at[a - cut.bwd_start] += int(t.nbytes * accumulate) - sizes[t.id]
+            extra = int(t.nbytes * accumulate) - sizes[t.id]
+            grad_at[a - cut.bwd_start] += extra
+            accumulating[a - cut.bwd_start] += extra
+            accumulating[min(added_at.get(t.id, a), cut.bwd_end - 1) - cut.bwd_start + 1] -= extra
     root = _root_bytes(graph, config.shard_ranks, cut)
     last_fwd_end, last_bwd_start = (
         (blocks[-1].fwd_end, blocks[-1].bwd_start) if blocks else (cut.fwd_start, cut.bwd_start)
@@ -161,6 +170,7 @@ def stage_fsdp(
         block_bwd=tuple((u.bwd_start, u.bwd_end) for u in blocks),
         root_bytes=root,
         grad_at=grad_at,
+        accumulating_at=np.cumsum(accumulating[:-1]),
         reduce_input_bytes=tuple(
             b * reduce_itemsize // traced_itemsize for b in (*(u.param_bytes for u in blocks), root)
         ),
@@ -280,8 +290,8 @@ class StageFsdpState:
         elif kind in ("B", "W"):
             inside = (ops >= f.cut.bwd_start) & (ops < f.cut.bwd_end)
             rel = np.clip(ops - f.cut.bwd_start, 0, len(f.grad_at) - 1)
-            made = np.where(inside, f.grad_at[rel], 0)
-            # accumulated into: a later microbatch's gradient is a transient added at its op
+            # accumulated into: a later microbatch's gradient is a transient until AccumulateGrad adds it in
+            made = np.where(inside, f.accumulating_at[rel] if self.grads else f.grad_at[rel], 0)
             grad = f.gradient_bytes + made if self.grads else np.where(inside, np.cumsum(f.grad_at)[rel], 0)
         at, instants = self._copy_outs(kind, ops, param, grad - made)
         return ActionExtras(param, grad, np.array(at, dtype=np.int64), np.array(instants, dtype=np.int64))

@@ -667,24 +667,25 @@ def _send_frees(stages: list[StageMemory], schedule: PipelineSchedule, rank: int
     actions = schedule.compute(rank)
     own = set(schedule.stages(rank))
     last_use: dict[tuple[int, str, int], int] = {}
-    consumed: dict[tuple[int, str, int], int] = {}  # a hand-over to a stage on this rank -> its use
+    made: dict[tuple[int, str, int], int] = {}  # an output or input gradient -> the action that made it
     for k, a in enumerate(actions):
         if a.kind == "F":
-            consumed[(a.stage - 1, "F", a.microbatch)] = k
+            made[(a.stage, "F", a.microbatch)] = k
         if a.kind in ("B", "W"):
             last_use[(a.stage, "F", a.microbatch)] = k
         if a.kind in INPUT_GRADIENT_KINDS:
             last_use[(a.stage, "B", a.microbatch)] = k
-            consumed.setdefault((a.stage + 1, "B", a.microbatch), k)
+            made[(a.stage, "B", a.microbatch)] = k
     out: dict[int, np.ndarray] = defaultdict(lambda: np.zeros(_NC, dtype=np.int64))
     for (stage, kind, mb), k in last_use.items():
         nbytes = stages[stage].sent_bytes if kind == "F" else stages[stage].grad_sent_bytes
         if not nbytes.any():
             continue
         if (stage + 1 if kind == "F" else stage - 1) in own:
-            # handed to a stage on this rank, it replaces that stage's receive buffer for this
-            # microbatch (counted there), which is freed when that stage uses it
-            out[consumed[(stage, kind, mb)]] += nbytes
+            # handed to a stage on this rank as soon as it is made (set_local_fwd_input /
+            # set_local_bwd_input), it becomes that stage's receive buffer for this microbatch
+            # (counted there), whose previous tensor is dropped then
+            out[made[(stage, kind, mb)]] += nbytes
         elif kind == "B" and actions[k].kind == "I":  # I leaves the input's gradient in its .grad
             out[len(actions) - 1] += nbytes
         else:
