@@ -261,12 +261,11 @@ def gradient_accumulated_at(graph: OpGraph) -> dict[int, int]:
     node that made it has made its other outputs too (a linear's input gradient, after its
     weight's); the op that made it when nothing reads it. Kept with the graph."""
     if "gradient_accumulated_at" not in graph.derived:
-        made = {
+        last = {
             tid: t.alloc_op
             for tid, t in graph.tensors.items()
             if t.category == "gradient" and t.free_op is None and t.alloc_op >= 0
         }
-        last = dict(made)
         for op in graph.ops[graph.backward_start :]:
             for tid in op.inputs:
                 if tid in last:
